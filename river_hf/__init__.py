@@ -1,0 +1,1 @@
+"""river_hf: seamless token-level early exit (River-LLM) for HuggingFace decoder-only LLMs."""
