@@ -1,1 +1,30 @@
-"""river_hf: seamless token-level early exit (River-LLM) for HuggingFace decoder-only LLMs."""
+"""river_hf: seamless token-level early exit (River-LLM) for HuggingFace decoder-only LLMs.
+
+    model = river_hf.build_river(model, RiverQuantConfig(nbits=4, group_size=64, start_layer=1))
+    out = model.generate(input_ids, generation_config=RiverConfig(tau=0.97), return_dict_in_generate=True)
+    out.cache.exit_depth          # backbone layers each position ran
+"""
+
+from .architectures import UnsupportedModelError
+from .cache import KVIntegrityError, RiverCache
+from .config import RiverQuantConfig
+from .generation import RiverConfig, RiverGenerationMixin
+from .hf_integration import register_with_transformers
+from .layers import RiverLayer
+from .patching import build_river, is_river, remove_river, river_layers
+
+register_with_transformers()
+
+__all__ = [
+    "KVIntegrityError",
+    "RiverCache",
+    "RiverConfig",
+    "RiverGenerationMixin",
+    "RiverLayer",
+    "RiverQuantConfig",
+    "UnsupportedModelError",
+    "build_river",
+    "is_river",
+    "remove_river",
+    "river_layers",
+]

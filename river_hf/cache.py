@@ -1,0 +1,126 @@
+"""`RiverCache`: the KV slots (a `DynamicCache`) plus the per-position exit record.
+
+Backbone layer l and its twin share cache slot l, so every layer writes K/V for every position whatever the exit
+pattern: the cache stays complete. The exit record says, per position, how many backbone layers ran
+(`num_layers` when it never exited). It follows every batch operation the cache gets (beam reordering,
+repeat/select, crop), so `exit_depth[b, t]` always describes the K/V at `[b, :, t]`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from .router import ExitRouter
+
+
+class KVIntegrityError(AssertionError):
+    """A layer of the cache is missing positions: early exit left a hole ("KV cache absence")."""
+
+
+class RiverCache(DynamicCache):
+    """A `DynamicCache` that carries the exit router of one `generate` call and records each position's exit depth."""
+
+    def __init__(self, config=None, router: ExitRouter | None = None, num_layers: int | None = None, **kwargs):
+        super().__init__(config=config, **kwargs)
+        self.router = router
+        self.num_layers = num_layers if num_layers is not None else getattr(router, "num_layers", None)
+        self._depth_chunks: list[torch.Tensor] = []  # each [B, T_step]; concatenated lazily
+        self.prompt_length = 0  # positions written by the first (prefill) step
+
+    # ---- the exit record -------------------------------------------------------------------------------------
+    def record_step(self, depth: int, batch_size: int, num_tokens: int, device: torch.device) -> None:
+        """Record that the `num_tokens` new positions of every row ran `depth` backbone layers."""
+        if not self._depth_chunks:
+            self.prompt_length = num_tokens
+        self._depth_chunks.append(torch.full((batch_size, num_tokens), depth, dtype=torch.long, device=device))
+
+    @property
+    def exit_depth(self) -> torch.Tensor:
+        """LongTensor [batch, seq_len]: backbone layers each cached position ran (== num_layers: never exited)."""
+        if not self._depth_chunks:
+            return torch.zeros(0, 0, dtype=torch.long)
+        if len(self._depth_chunks) > 1:
+            self._depth_chunks = [torch.cat(self._depth_chunks, dim=1)]
+        return self._depth_chunks[0]
+
+    @property
+    def recorded_length(self) -> int:
+        return sum(chunk.shape[1] for chunk in self._depth_chunks)
+
+    def mean_exit_depth(self, decoded_only: bool = True) -> float:
+        """Mean backbone depth over the decoded positions (or all positions). NaN when there are none."""
+        depth = self.exit_depth
+        if decoded_only:
+            depth = depth[:, self.prompt_length:]
+        return depth.float().mean().item() if depth.numel() else float("nan")
+
+    def exit_share(self, decoded_only: bool = True) -> float:
+        """Share of (decoded) positions that left the backbone before its last layer."""
+        depth = self.exit_depth
+        if decoded_only:
+            depth = depth[:, self.prompt_length:]
+        return (depth < self.num_layers).float().mean().item() if depth.numel() else float("nan")
+
+    # ---- KV integrity ----------------------------------------------------------------------------------------
+    def kv_integrity_errors(self) -> list[str]:
+        """Every layer must hold K/V for every recorded position; returns what is wrong (empty when all is well)."""
+        expected = self.recorded_length
+        errors = []
+        if self.num_layers is not None and len(self.layers) != self.num_layers:
+            errors.append(f"cache has {len(self.layers)} layers, model has {self.num_layers}")
+        for idx, layer in enumerate(self.layers):
+            errors.extend(_layer_errors(idx, layer, expected, self.exit_depth.shape[0]))
+        return errors
+
+    def check_kv_integrity(self) -> None:
+        """Raise `KVIntegrityError` naming each layer that is missing positions."""
+        errors = self.kv_integrity_errors()
+        if errors:
+            raise KVIntegrityError("KV cache is incomplete: " + "; ".join(errors))
+
+    # ---- batch operations follow into the exit record ---------------------------------------------------------
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_record(lambda depth: depth.index_select(0, beam_idx.to(depth.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_record(lambda depth: depth.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_record(lambda depth: depth[indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)  # transformers only takes tokens_to_remove <= 0
+        keep = self.recorded_length + min(tokens_to_remove, 0)
+        self._map_record(lambda depth: depth[:, :keep])
+
+    def reset(self) -> None:
+        super().reset()
+        self._depth_chunks = []
+        self.prompt_length = 0
+
+    def _map_record(self, fn) -> None:
+        if self._depth_chunks:
+            self._depth_chunks = [fn(self.exit_depth)]
+
+
+def _layer_errors(idx: int, layer, expected: int, batch_size: int) -> list[str]:
+    if not getattr(layer, "is_initialized", False):
+        return [f"layer {idx} was never written"] if expected else []
+    errors = []
+    seen = layer.get_seq_length()  # sliding layers report every position seen, not only the window kept
+    if seen != expected:
+        errors.append(f"layer {idx} holds {seen} positions, expected {expected}")
+    kept = min(expected, layer.get_max_length()) if getattr(layer, "is_sliding", False) else expected
+    for name in ("keys", "values"):
+        tensor = getattr(layer, name)
+        if tensor.shape[-2] < kept - 1 or (not getattr(layer, "is_sliding", False) and tensor.shape[-2] != kept):
+            errors.append(f"layer {idx} {name} has {tensor.shape[-2]} positions, expected {kept}")
+        if tensor.shape[0] != batch_size:
+            errors.append(f"layer {idx} {name} has batch {tensor.shape[0]}, exit record has {batch_size}")
+        if not torch.isfinite(tensor).all():
+            errors.append(f"layer {idx} {name} holds non-finite values")
+    return errors

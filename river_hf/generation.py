@@ -1,0 +1,137 @@
+"""The `generate()` hook: `RiverConfig` (a `GenerationConfig`) and `RiverGenerationMixin`.
+
+`model.generate(..., generation_config=RiverConfig(tau=0.97))` on a model that `build_river` prepared: the mixin
+makes a `RiverCache` holding a fresh `ExitRouter`, passes it to HF's own `generate` as the cache, and lets HF do
+everything else (greedy, sampling, beams, stopping, streaming, padding). Without river settings, `generate` runs the
+untouched backbone: the layers see a plain cache and never call a twin.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from transformers import GenerationConfig
+
+from .cache import RiverCache
+from .layers import river_layers
+from .router import EXIT_POLICIES, PREFILL_EXITS, ExitRouter, RiverSettings
+
+DEFAULT_TAU = 0.97
+RIVER_FIELDS = ("tau", "prefill_exit", "exit_policy")
+
+
+class RiverConfig(GenerationConfig):
+    """A `GenerationConfig` with the river's exit settings.
+
+    Args:
+        tau (`float`, defaults to 0.97): exit threshold on s = cos(h_in, h_out) of a backbone layer. A value above 1
+            never exits (output equals the backbone); -1 exits as early as allowed (at `start_layer`: the paper's
+            "full quantization"). The paper's 0.5–0.9 suits Llama-3; models differ (see README "Choosing tau").
+        prefill_exit (`str` or `int`, defaults to "sequence"): how the prompt exits: "sequence" = one switch layer
+            for all prompt tokens, chosen by the same threshold on their mean similarity; "none" = full backbone;
+            an int = switch after that many backbone layers.
+        exit_policy (`str`, defaults to "batch_min"): how rows of a batch agree: "batch_min" = the batch exits when
+            every row's similarity exceeds tau (the paper's min over the batch).
+        kwargs: any `GenerationConfig` argument (max_new_tokens, do_sample, num_beams, ...).
+    """
+
+    def __init__(self, tau: float = DEFAULT_TAU, prefill_exit: str | int = "sequence",
+                 exit_policy: str = "batch_min", **kwargs):
+        self.tau = tau
+        self.prefill_exit = prefill_exit
+        self.exit_policy = exit_policy
+        super().__init__(**kwargs)  # ends with self.validate()
+
+    def validate(self, *args, **kwargs):
+        super().validate(*args, **kwargs)
+        validate_river_fields(self)
+
+    def update(self, defaults_only=False, allow_custom_entries=False, **kwargs):
+        # HF's `generate` merges the model's defaults into the config it was given with exactly these flags. A river
+        # model hands HF a plain GenerationConfig (see RiverGenerationMixin), so a RiverConfig only gets here when
+        # the model has no river, where it would otherwise be silently ignored.
+        if defaults_only and allow_custom_entries:
+            raise ValueError(
+                "`generation_config` is a RiverConfig, but this model has no river, so nothing would exit. Call "
+                "`river_hf.build_river(model, RiverQuantConfig(...))` first (or load the model with "
+                "`quantization_config=RiverQuantConfig(...)`), or pass a plain GenerationConfig."
+            )
+        return super().update(defaults_only=defaults_only, allow_custom_entries=allow_custom_entries, **kwargs)
+
+    def river_settings(self) -> RiverSettings:
+        return RiverSettings(tau=float(self.tau), prefill_exit=self.prefill_exit, exit_policy=self.exit_policy)
+
+
+def validate_river_fields(config) -> None:
+    """Check tau / prefill_exit / exit_policy wherever they came from (a RiverConfig or a loaded GenerationConfig)."""
+    tau = getattr(config, "tau", None)
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or math.isnan(tau):
+        raise ValueError(
+            f"`tau` must be a real number (the exit threshold on cos(h_in, h_out): > 1 never exits, -1 exits as "
+            f"early as allowed); got {tau!r}."
+        )
+    prefill_exit = getattr(config, "prefill_exit", "sequence")
+    if not (prefill_exit in PREFILL_EXITS or (_is_int(prefill_exit) and prefill_exit >= 1)):
+        raise ValueError(
+            f"`prefill_exit`={prefill_exit!r} is not supported; use one of {PREFILL_EXITS} or an int >= 1 (the number "
+            f"of backbone layers every prompt token runs)."
+        )
+    exit_policy = getattr(config, "exit_policy", "batch_min")
+    if exit_policy not in EXIT_POLICIES:
+        raise ValueError(f"`exit_policy`={exit_policy!r} is not supported; choose one of {EXIT_POLICIES}.")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def river_settings_from(generation_config, kwargs: dict, model_default=None) -> RiverSettings | None:
+    """This call's river settings, or None for a plain backbone run.
+
+    Sources, by priority: river kwargs (`generate(..., tau=0.9)`), the `generation_config` passed, then the model's
+    own `generation_config` (a loaded generation_config.json may carry `tau`). Pops the river kwargs so that HF's
+    `generate` does not reject them as unknown model kwargs.
+    """
+    overrides = {name: kwargs.pop(name) for name in RIVER_FIELDS if name in kwargs}
+    source = next((cfg for cfg in (generation_config, model_default) if getattr(cfg, "tau", None) is not None), None)
+    if source is None and "tau" not in overrides:
+        return None
+    fields = {name: getattr(source, name) for name in RIVER_FIELDS if hasattr(source, name)}
+    return RiverConfig(**{**fields, **overrides}).river_settings()
+
+
+def without_river_fields(generation_config):
+    """The same generation settings as a plain `GenerationConfig`: the river's part lives in the cache's router."""
+    if generation_config is None:
+        return None
+    values = {key: value for key, value in generation_config.to_dict().items() if key not in RIVER_FIELDS}
+    return GenerationConfig.from_dict(values)
+
+
+class RiverGenerationMixin:
+    """Mixed in front of the model's class by `build_river`: routes `generate` through a `RiverCache`."""
+
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        settings = river_settings_from(generation_config, kwargs, model_default=self.generation_config)
+        if settings is not None:
+            kwargs["cache"] = self._river_cache(settings, kwargs)
+        return super().generate(inputs, generation_config=without_river_fields(generation_config), **kwargs)
+
+    def _river_cache(self, settings: RiverSettings, kwargs: dict) -> RiverCache:
+        # (not `or`: an empty Cache is falsy, it has len() 0)
+        user_cache = kwargs.pop("cache", None)
+        user_cache = kwargs.pop("past_key_values", None) if user_cache is None else user_cache
+        if user_cache is not None and not isinstance(user_cache, RiverCache):
+            raise ValueError(
+                f"`cache`: a river generate needs a `RiverCache` (it records each position's exit); got "
+                f"{type(user_cache).__name__}. Pass no cache and river_hf makes one."
+            )
+        layers = river_layers(self)
+        start_layer = next(layer.layer_idx for layer in layers if layer.twin is not None)
+        router = ExitRouter(settings, start_layer=start_layer, num_layers=len(layers))
+        router.prompt_mask = kwargs.get("attention_mask")
+        if user_cache is not None:
+            user_cache.router, user_cache.num_layers = router, len(layers)
+            return user_cache
+        return RiverCache(config=self.config.get_text_config(decoder=True), router=router, num_layers=len(layers))

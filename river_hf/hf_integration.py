@@ -1,0 +1,46 @@
+"""`from_pretrained(..., quantization_config=RiverQuantConfig(...))`: river_hf's quantizer, registered with transformers.
+
+The backbone loads as usual (full precision); once its weights are in, the quantizer builds the river. transformers'
+own `HqqConfig` quantize-on-load is broken in 5.x (no `get_quantize_ops`), so nothing here relies on it.
+"""
+
+from __future__ import annotations
+
+from transformers.quantizers import HfQuantizer
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    register_quantization_config,
+    register_quantizer,
+)
+
+from .config import RIVER_QUANT_METHOD, RiverQuantConfig
+from .patching import build_river
+
+
+class RiverHfQuantizer(HfQuantizer):
+    """Builds the exit river after the backbone's weights are loaded; no weight is quantized while loading."""
+
+    requires_calibration = False
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        return build_river(model, self.quantization_config)
+
+    def is_serializable(self, **kwargs) -> bool:
+        # A river is rebuilt from the backbone at load time; saving the twins would only duplicate the backbone.
+        return False
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+def register_with_transformers() -> None:
+    """Register the "river" quantization method once (importing river_hf does it)."""
+    if RIVER_QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(RIVER_QUANT_METHOD)(RiverQuantConfig)
+    if RIVER_QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(RIVER_QUANT_METHOD)(RiverHfQuantizer)

@@ -1,0 +1,96 @@
+"""`RiverLayer`: one decoder layer of the backbone plus (from start_layer on) its quantized twin.
+
+The wrapper never looks inside the HF layer: it passes the call's positional and keyword arguments through
+unchanged to whichever of the two runs, so attention, masks and rotary embeddings stay HF's. The twin is a copy of
+the layer whose linear layers are quantized and whose attention keeps the same `layer_idx`, so its K/V land in
+the backbone's cache slot. Norms (and any other non-linear parameter) are shared with the backbone, not copied.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .architectures import find_decoder_layers
+from .cache import RiverCache
+from .quantize import RiverQuantLinear
+
+
+class RiverLayer(nn.Module):
+    """Dispatches one decoder layer to the backbone or its twin, as the step's `ExitRouter` decides."""
+
+    def __init__(self, base_layer: nn.Module, twin: nn.Module | None, layer_idx: int, num_layers: int,
+                 quant_config=None):
+        super().__init__()
+        self.base_layer = base_layer
+        self.twin = twin
+        self.layer_idx = layer_idx
+        self.num_layers = num_layers
+        self.quant_config = quant_config  # the RiverQuantConfig the twin was built with
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if not isinstance(cache, RiverCache) or cache.router is None:
+            return self.base_layer(hidden_states, *args, **kwargs)  # plain generate: the untouched backbone
+        router = cache.router
+        if self.layer_idx == 0:
+            router.begin_step(hidden_states.shape[1], is_first_step=cache.recorded_length == 0)
+        if router.exited:
+            output = self.twin(hidden_states, *args, **kwargs)
+        else:
+            output = self.base_layer(hidden_states, *args, **kwargs)
+            router.observe(self.layer_idx, hidden_states, _hidden_of(output))
+        if self.layer_idx == self.num_layers - 1:
+            cache.record_step(router.depth, hidden_states.shape[0], hidden_states.shape[1], hidden_states.device)
+        return output
+
+    def __getattr__(self, name: str):
+        # HF model loops read attributes of their layers (e.g. `attention_type` for the mask): answer for the backbone.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("base_layer"), name)
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}, twin={'yes' if self.twin is not None else 'no'}"
+
+
+def _hidden_of(output) -> torch.Tensor:
+    """Decoder layers return the hidden state, or (in some architectures/versions) a tuple starting with it."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def make_twin(layer: nn.Module, quantize_linear, skip_modules: list[str]) -> nn.Module:
+    """A copy of `layer` whose nn.Linear modules are quantized; every other parameter is shared, not copied.
+
+    `quantize_linear(linear) -> nn.Module` makes one quantized linear layer.
+    """
+    # deepcopy with a memo of the layer's own tensors: the copy refers to the same Parameter/buffer objects,
+    # so norms stay shared and no full-precision weight is duplicated before quantization replaces it.
+    memo = {id(tensor): tensor for tensor in (*layer.parameters(), *layer.buffers())}
+    twin = copy.deepcopy(layer, memo)
+    for name, module in list(twin.named_modules()):
+        if isinstance(module, nn.Linear) and not _is_skipped(name, skip_modules):
+            twin.set_submodule(name, quantize_linear(module))
+    return twin
+
+
+def _is_skipped(name: str, skip_modules: list[str]) -> bool:
+    return any(name == skip or name.endswith("." + skip) for skip in skip_modules)
+
+
+def river_layers(model: nn.Module) -> list[RiverLayer]:
+    """The model's RiverLayers (one per decoder layer); a clear error when the model has no river."""
+    layers = [layer for layer in find_decoder_layers(model) if isinstance(layer, RiverLayer)]
+    if not layers:
+        raise ValueError(
+            "This model has no river: call `river_hf.build_river(model, RiverQuantConfig(...))` first, or load it "
+            "with `from_pretrained(..., quantization_config=RiverQuantConfig(...))`."
+        )
+    return layers
+
+
+def twin_linears(twin: nn.Module) -> list[RiverQuantLinear]:
+    return [module for module in twin.modules() if isinstance(module, RiverQuantLinear)]

@@ -1,0 +1,126 @@
+"""The exit decision: signal, policy, prefill vs decode. Pure tensor logic, unit-testable without a model.
+
+One `ExitRouter` lives in a `RiverCache` for the length of one `generate` call. Each forward pass is a *step*:
+the first decoder layer opens it (`begin_step`), every backbone layer reports its input and output hidden states
+(`observe`), and once the router says `exited`, the remaining layers run on their twins. The step's exit depth
+(how many backbone layers ran) is what the cache records for the step's positions.
+
+- decode steps (one new token per row) use the paper's token-level exit: s = cos(h_in, h_out) of the last layer,
+  and with `exit_policy="batch_min"` the whole batch exits once min over the batch of s > tau;
+- prefill steps (several tokens per row) use a sequence-level exit: one switch layer for all prompt tokens,
+  chosen from each row's mean similarity over its real (unpadded) tokens, again taking the batch minimum;
+  or a fixed layer (`prefill_exit=int`), or none (`prefill_exit="none"`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+EXIT_POLICIES = ("batch_min",)
+PREFILL_EXITS = ("sequence", "none")
+
+
+@dataclass(frozen=True)
+class RiverSettings:
+    """The per-call exit settings, taken from a `RiverConfig` (already validated there)."""
+
+    tau: float
+    prefill_exit: str | int = "sequence"
+    exit_policy: str = "batch_min"
+
+    @property
+    def never_exits(self) -> bool:
+        return self.tau > 1.0  # a cosine never exceeds 1
+
+    @property
+    def always_exits(self) -> bool:
+        return self.tau <= -1.0  # "exit as early as allowed": no need to compute a similarity
+
+
+def token_similarity(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
+    """cos(h_in, h_out) of each row's last position. h_*: [B, T, D] -> [B] (float32)."""
+    return F.cosine_similarity(h_in[:, -1].float(), h_out[:, -1].float(), dim=-1)
+
+
+def sequence_similarity(h_in: torch.Tensor, h_out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over each row's real positions of cos(h_in, h_out). h_*: [B, T, D], mask: [B, T] (1 = token) -> [B]."""
+    cos = F.cosine_similarity(h_in.float(), h_out.float(), dim=-1)  # [B, T]
+    if mask is None:
+        return cos.mean(dim=-1)
+    weights = mask.to(cos.dtype)
+    return (cos * weights).sum(dim=-1) / weights.sum(dim=-1).clamp(min=1.0)
+
+
+def batch_passes(similarity: torch.Tensor, tau: float, policy: str = "batch_min") -> bool:
+    """The paper's batch policy: the batch exits only when every row's similarity exceeds tau."""
+    if policy != "batch_min":
+        raise ValueError(f"`exit_policy`={policy!r} is not supported; choose one of {EXIT_POLICIES}.")
+    return bool(similarity.min() > tau)
+
+
+class ExitRouter:
+    """Decides, layer by layer, when the current step leaves the backbone for the twins."""
+
+    def __init__(self, settings: RiverSettings, start_layer: int, num_layers: int):
+        self.settings = settings
+        self.start_layer = start_layer
+        self.num_layers = num_layers
+        self.prompt_mask: torch.Tensor | None = None  # [B, T] attention mask of the prompt, for sequence exits
+        self.exited = False
+        self.depth = num_layers
+        self._sequence_level = False
+
+    def begin_step(self, num_new_tokens: int, is_first_step: bool) -> None:
+        """Open a forward pass. Several new tokens per row (or the first pass) is a prefill: sequence-level exit."""
+        self._sequence_level = is_first_step or num_new_tokens > 1
+        self.exited = False
+        self.depth = self.num_layers
+
+    def observe(self, layer_idx: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
+        """Called after backbone layer `layer_idx` ran. May switch the rest of the step onto the twins."""
+        depth = layer_idx + 1  # backbone layers run so far
+        if self.exited or not self.start_layer <= depth < self.num_layers:
+            return
+        if self._should_exit(depth, h_in, h_out):
+            self._exit_at(depth)
+
+    def _should_exit(self, depth: int, h_in: torch.Tensor, h_out: torch.Tensor) -> bool:
+        fixed = self._fixed_prefill_depth()
+        if fixed is not None:
+            return depth >= fixed
+        if self.settings.never_exits:
+            return False
+        if self.settings.always_exits:
+            return True
+        if self._sequence_level:
+            similarity = sequence_similarity(h_in, h_out, self._mask_for(h_in))
+        else:
+            similarity = token_similarity(h_in, h_out)
+        return batch_passes(similarity, self.settings.tau, self.settings.exit_policy)
+
+    def _fixed_prefill_depth(self) -> int | None:
+        """The exit depth a prefill step is told to use, or None when the similarity decides."""
+        if not self._sequence_level:
+            return None
+        prefill_exit = self.settings.prefill_exit
+        if prefill_exit == "none":
+            return self.num_layers
+        if isinstance(prefill_exit, int):
+            return max(prefill_exit, self.start_layer)
+        return None  # "sequence": decided by the similarity
+
+    def _mask_for(self, h_in: torch.Tensor) -> torch.Tensor | None:
+        """The prompt mask, aligned with this step's rows and positions (beam search repeats each row)."""
+        mask = self.prompt_mask
+        if mask is None or mask.shape[-1] != h_in.shape[1]:
+            return None
+        if mask.shape[0] != h_in.shape[0]:
+            mask = mask.repeat_interleave(h_in.shape[0] // mask.shape[0], dim=0)
+        return mask.to(h_in.device)
+
+    def _exit_at(self, depth: int) -> None:
+        self.exited = True
+        self.depth = depth

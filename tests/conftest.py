@@ -1,0 +1,83 @@
+"""Tiny randomly initialised models, one per supported architecture, built from configs (no hub access)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+SIZES = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=256, pad_token_id=0, eos_token_id=1,
+             bos_token_id=2)
+
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    # hybrid cache: sliding-window layers (window 5, exceeded by every test) interleaved with full attention
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "sliding_window": 5,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    }),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    config_name, model_name, extra = ARCHITECTURES[arch]
+    config = getattr(transformers, config_name)(**{**SIZES, **extra, **overrides})
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(config).eval()
+
+
+def plain_copy_with_twins(river_model):
+    """A plain (river-less) copy of a river model whose layers >= start_layer ARE the twins: full quantization."""
+    import river_hf
+
+    reference = copy.deepcopy(river_model)
+    layers = river_hf.architectures.find_decoder_layers(reference)
+    for idx, layer in enumerate(layers):
+        layers[idx] = layer.twin if layer.twin is not None else layer.base_layer
+    reference.__class__ = type(river_model)._river_base_class
+    return reference
+
+
+@pytest.fixture
+def prompt_ids():
+    torch.manual_seed(1)
+    return torch.randint(3, SIZES["vocab_size"], (2, 9))
+
+
+@pytest.fixture
+def left_padded_batch():
+    """Two prompts of different lengths, left-padded: (input_ids, attention_mask)."""
+    torch.manual_seed(2)
+    ids = torch.randint(3, SIZES["vocab_size"], (2, 10))
+    mask = torch.ones_like(ids)
+    ids[1, :4] = SIZES["pad_token_id"]
+    mask[1, :4] = 0
+    return ids, mask
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over the tiny models' 256 ids ("w3 w17 ..."), built locally (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, **{f"w{i}": i for i in range(3, SIZES["vocab_size"])}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
+                                   padding_side="left")
+
+
+@pytest.fixture
+def saved_tiny_model(tmp_path):
+    """A tiny Llama and its tokenizer saved to disk, as a user's local checkpoint would be."""
+    path = tmp_path / "tiny-llama"
+    tiny_model("llama").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path

@@ -1,0 +1,55 @@
+"""river_hf as part of transformers: pipeline, from_pretrained(quantization_config=...), saved generation configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+import river_hf
+from river_hf import RiverConfig, RiverQuantConfig
+
+from conftest import plain_copy_with_twins
+
+PROMPT = "w5 w9 w33 w70 w12"
+
+
+def test_from_pretrained_with_quantization_config_builds_the_river(saved_tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(saved_tiny_model, quantization_config=RiverQuantConfig(start_layer=3))
+    assert river_hf.is_river(model)
+    layers = river_hf.river_layers(model)
+    assert [layer.twin is not None for layer in layers] == [False] * 3 + [True] * 3
+    ids = torch.tensor([[5, 9, 33, 70, 12]])
+    out = model.generate(ids, generation_config=RiverConfig(tau=-1, max_new_tokens=5, do_sample=False),
+                         return_dict_in_generate=True)
+    assert (out.cache.exit_depth == 3).all()
+    out.cache.check_kv_integrity()
+
+
+def test_pipeline_runs_the_river(saved_tiny_model):
+    tokenizer = AutoTokenizer.from_pretrained(saved_tiny_model)
+    model = river_hf.build_river(AutoModelForCausalLM.from_pretrained(saved_tiny_model), progress=False)
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    config = RiverConfig(tau=-1, max_new_tokens=6, do_sample=False)
+    token_ids = generator(PROMPT, generation_config=config, return_tensors=True)[0]["generated_token_ids"]
+    # the same tokens as a plain model whose layers from start_layer on are the twins (full quantization)
+    reference = plain_copy_with_twins(model)
+    expected = reference.generate(**tokenizer(PROMPT, return_tensors="pt"), max_new_tokens=6, do_sample=False)
+    assert list(token_ids) == expected[0].tolist()
+    backbone = pipeline("text-generation", model=AutoModelForCausalLM.from_pretrained(saved_tiny_model),
+                        tokenizer=tokenizer)
+    assert generator(PROMPT, generation_config=RiverConfig(tau=2.0, max_new_tokens=6, do_sample=False)) == backbone(
+        PROMPT, max_new_tokens=6, do_sample=False)
+
+
+def test_model_generation_config_with_tau_makes_the_river_the_default(saved_tiny_model):
+    model = river_hf.build_river(AutoModelForCausalLM.from_pretrained(saved_tiny_model), progress=False)
+    model.generation_config = RiverConfig(tau=-1, max_new_tokens=4, do_sample=False)
+    out = model.generate(torch.tensor([[5, 9, 33]]), return_dict_in_generate=True)
+    assert (out.cache.exit_depth == 1).all()
+
+
+def test_saving_a_river_model_is_refused_with_a_hint(saved_tiny_model, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(saved_tiny_model, quantization_config=RiverQuantConfig())
+    with pytest.raises(Exception, match="(?i)serializ|river"):
+        model.save_pretrained(tmp_path / "out")

@@ -1,0 +1,77 @@
+"""The exit decision on hand-made hidden states: signals, the batch-min policy, prefill vs decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from river_hf.router import ExitRouter, RiverSettings, batch_passes, sequence_similarity, token_similarity
+
+
+def states_with_cosines(cosines: list[float], dim: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """h_in, h_out of shape [B, 1, D] whose row-wise cosine is exactly the given value."""
+    h_in = torch.zeros(len(cosines), 1, dim)
+    h_in[:, 0, 0] = 1.0
+    h_out = torch.zeros_like(h_in)
+    for row, cos in enumerate(cosines):
+        h_out[row, 0, 0] = cos
+        h_out[row, 0, 1] = (1 - cos**2) ** 0.5
+    return h_in, h_out
+
+
+def test_token_similarity_is_the_cosine_of_the_last_position():
+    h_in, h_out = states_with_cosines([0.2, 0.9])
+    assert torch.allclose(token_similarity(h_in, h_out), torch.tensor([0.2, 0.9]), atol=1e-6)
+
+
+def test_sequence_similarity_ignores_padding():
+    h_in = torch.cat([states_with_cosines([0.0])[0]] * 3, dim=1)  # [1, 3, D]
+    h_out = torch.cat([states_with_cosines([c])[1] for c in (-1.0, 0.5, 0.7)], dim=1)
+    mask = torch.tensor([[0, 1, 1]])
+    assert sequence_similarity(h_in, h_out, mask).item() == pytest.approx(0.6, abs=1e-6)
+    assert sequence_similarity(h_in, h_out, None).item() == pytest.approx(0.2 / 3, abs=1e-6)
+
+
+def test_batch_min_needs_every_row():
+    assert batch_passes(torch.tensor([0.95, 0.99]), 0.9)
+    assert not batch_passes(torch.tensor([0.95, 0.85]), 0.9)
+    with pytest.raises(ValueError, match="`exit_policy`"):
+        batch_passes(torch.tensor([1.0]), 0.9, policy="any")
+
+
+def run_step(router: ExitRouter, cosines_per_layer: list[list[float]], num_new_tokens=1, first=False) -> int:
+    router.begin_step(num_new_tokens, is_first_step=first)
+    for layer_idx, cosines in enumerate(cosines_per_layer):
+        if router.exited:
+            break
+        router.observe(layer_idx, *states_with_cosines(cosines))
+    return router.depth
+
+
+def test_decode_exits_after_the_first_layer_whose_batch_min_passes():
+    router = ExitRouter(RiverSettings(tau=0.9), start_layer=1, num_layers=5)
+    assert run_step(router, [[0.1, 0.2], [0.95, 0.5], [0.95, 0.93], [0.99, 0.99]]) == 3
+
+
+def test_no_exit_before_start_layer_nor_after_the_last_layer():
+    router = ExitRouter(RiverSettings(tau=0.5), start_layer=3, num_layers=4)
+    assert run_step(router, [[0.9], [0.9], [0.9], [0.9]]) == 3  # layers 0, 1 pass but have no twin after them
+    assert run_step(router, [[0.1], [0.1], [0.1], [0.99]]) == 4  # passing at the last layer is not an exit
+
+
+def test_tau_extremes():
+    never = ExitRouter(RiverSettings(tau=1.01), start_layer=1, num_layers=4)
+    assert run_step(never, [[1.0]] * 4) == 4
+    always = ExitRouter(RiverSettings(tau=-1), start_layer=2, num_layers=4)
+    assert run_step(always, [[-1.0]] * 4) == 2
+
+
+def test_prefill_uses_the_fixed_or_no_exit():
+    assert run_step(ExitRouter(RiverSettings(tau=-1, prefill_exit="none"), 1, 4), [[0.0]] * 4, 5, first=True) == 4
+    assert run_step(ExitRouter(RiverSettings(tau=-1, prefill_exit=3), 1, 4), [[0.0]] * 4, 5, first=True) == 3
+    # a fixed prefill exit below start_layer is lifted to start_layer
+    assert run_step(ExitRouter(RiverSettings(tau=2, prefill_exit=1), 2, 4), [[0.0]] * 4, 5, first=True) == 2
+    # and a decode step after it is token-level again
+    router = ExitRouter(RiverSettings(tau=0.5, prefill_exit="none"), 1, 4)
+    assert run_step(router, [[0.9]] * 4, 5, first=True) == 4
+    assert run_step(router, [[0.9]] * 4) == 1
