@@ -17,13 +17,10 @@ import torch
 from transformers import GenerationConfig, TextStreamer, set_seed
 
 from .config import RiverQuantConfig
-from .generation import RiverConfig
+from .generation import DEFAULT_TAU, RiverConfig
 from .models import build_chat_inputs, load_model_and_tokenizer
 from .patching import build_river
 
-# Exit threshold on cos(h_in, h_out). On SmolLM2-135M the cosines of layers 2-28 sit at 0.92-0.98, so the paper's
-# 0.5-0.9 would exit nearly every token after 2 layers; 0.95-0.995 is the useful range. See README "Choosing tau".
-DEFAULT_TAU = 0.97
 
 
 class CLIError(Exception):

@@ -1,0 +1,1 @@
+"""Measurement: fidelity against the backbone (teacher-forced), speed, prompts."""

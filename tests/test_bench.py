@@ -1,0 +1,66 @@
+"""Measurement helpers: teacher-forced fidelity and interleaved timing, on a tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import river_hf
+from river_hf import RiverConfig
+from river_hf.bench.fidelity import backbone_references, compare, measure_fidelity, teacher_forced_logits
+from river_hf.bench.speed import interleaved, median_rate
+from river_hf.router import RiverSettings
+
+from conftest import plain_copy_with_twins, tiny_model
+
+
+@pytest.fixture(scope="module")
+def river_model():
+    return river_hf.build_river(tiny_model(), progress=False)
+
+
+@pytest.fixture(scope="module")
+def references(river_model):
+    torch.manual_seed(3)
+    return backbone_references(river_model, [torch.randint(3, 256, (1, 6)) for _ in range(2)], max_new_tokens=10)
+
+
+def test_tau_above_one_is_perfectly_faithful(river_model, references):
+    fidelity = measure_fidelity(river_model, references, RiverSettings(tau=1.5))
+    assert fidelity.match == 1.0 and fidelity.kl == pytest.approx(0.0, abs=1e-6)
+    assert fidelity.mean_exit_depth == 6 and fidelity.positions == 20
+
+
+def test_full_quantization_fidelity_is_measured_against_the_twin_model(river_model, references):
+    fidelity = measure_fidelity(river_model, references, RiverSettings(tau=-1))
+    assert fidelity.mean_exit_depth == 1
+    full_quant = plain_copy_with_twins(river_model)
+    pooled = [compare(ref.logits, teacher_forced_logits(full_quant, ref.prompt_ids, ref.continuation, None)[0])
+              for ref in references]
+    assert fidelity.match == pytest.approx(sum(m for m, _ in pooled) / 2)
+    assert fidelity.kl == pytest.approx(sum(k for _, k in pooled) / 2, rel=1e-4)
+    assert fidelity.kl > 0
+
+
+def test_compare_counts_argmax_agreement_and_kl():
+    reference = torch.tensor([[2.0, 0.0], [0.0, 2.0]])
+    system = torch.tensor([[2.0, 0.0], [2.0, 0.0]])
+    match, kl = compare(reference, system)
+    p = torch.softmax(torch.tensor([0.0, 2.0]), -1)
+    expected_kl = (p * (p.log() - p.flip(0).log())).sum().item() / 2
+    assert match == 0.5 and kl == pytest.approx(expected_kl)
+
+
+def test_interleaved_timing_runs_every_system_on_every_prompt(river_model):
+    prompts = [{"input_ids": torch.randint(3, 256, (1, 5))} for _ in range(2)]
+    fixed = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    systems = {"backbone": GenerationConfig(**fixed), "river": RiverConfig(tau=-1, **fixed)}
+    timings = interleaved(river_model, systems, prompts, rounds=2)
+    assert {name: len(runs) for name, runs in timings.items()} == {"backbone": 4, "river": 4}
+    assert all(t.new_tokens == 4 and t.decode_tokens_per_s > 0 for runs in timings.values() for t in runs)
+    assert all(t.mean_exit_depth == 1 for t in timings["river"])
+    assert all(math.isnan(t.mean_exit_depth) for t in timings["backbone"])
+    assert median_rate(timings["river"]) > 0
