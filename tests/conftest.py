@@ -45,6 +45,19 @@ def plain_copy_with_twins(river_model):
     return reference
 
 
+def mixed_tau(model, ids, start_layer: int = 2) -> float:
+    """A threshold inside the model's own similarity range (median over the eligible layers), so that steps exit
+    at different depths."""
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+    num_layers = len(states) - 1
+    sims = [F.cosine_similarity(states[l].float(), states[l + 1].float(), dim=-1).mean()
+            for l in range(start_layer - 1, num_layers - 1)]
+    return torch.stack(sims).median().item()
+
+
 @pytest.fixture
 def prompt_ids():
     torch.manual_seed(1)

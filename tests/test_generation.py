@@ -6,14 +6,13 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import GenerationConfig, TextStreamer
 
 import river_hf
 from river_hf import RiverConfig, RiverQuantConfig
 from river_hf.router import ExitRouter
 
-from conftest import ARCHITECTURES, plain_copy_with_twins, tiny_model
+from conftest import ARCHITECTURES, mixed_tau, plain_copy_with_twins, tiny_model
 
 NEW_TOKENS = 12
 START = 2
@@ -37,15 +36,6 @@ def greedy(model, ids, mask=None, **config):
     cls = RiverConfig if "tau" in config else GenerationConfig
     return model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
                           generation_config=cls(**config), return_dict_in_generate=True)
-
-
-def mixed_tau(model, ids, start_layer=START) -> float:
-    """A threshold inside the model's own similarity range, so that steps exit at different depths."""
-    with torch.no_grad():
-        states = model(ids, output_hidden_states=True).hidden_states
-    num_layers = len(states) - 1
-    sims = [F.cosine_similarity(states[l], states[l + 1], dim=-1).mean() for l in range(start_layer - 1, num_layers - 1)]
-    return torch.stack(sims).median().item()
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
