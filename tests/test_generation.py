@@ -194,3 +194,15 @@ def test_a_non_river_cache_is_refused(prompt_ids):
     model = river_of(tiny_model())
     with pytest.raises(ValueError, match="RiverCache"):
         model.generate(prompt_ids, generation_config=RiverConfig(tau=0.9, max_new_tokens=2), cache=DynamicCache())
+
+
+def test_eos_stops_generation_and_the_record_matches(prompt_ids):
+    model = river_of(tiny_model())
+    free = greedy(model, prompt_ids[:1], tau=-1).sequences[0, prompt_ids.shape[1]:]
+    eos = free[3].item()  # make the 4th generated token the end of sequence
+    stop_at = free.tolist().index(eos)
+    out = greedy(model, prompt_ids[:1], tau=-1, eos_token_id=eos)
+    assert out.sequences.shape[1] == prompt_ids.shape[1] + stop_at + 1
+    assert out.sequences[0, -1].item() == eos
+    assert out.cache.exit_depth.shape[1] == out.sequences.shape[1] - 1  # the last token was never fed back
+    out.cache.check_kv_integrity()
