@@ -42,7 +42,10 @@ class RiverSettings:
 
 def token_similarity(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
     """cos(h_in, h_out) of each row's last position. h_*: [B, T, D] -> [B] (float32)."""
-    return F.cosine_similarity(h_in[:, -1].float(), h_out[:, -1].float(), dim=-1)
+    if h_in.shape[1] != 1:  # decode steps have T == 1: skip the slicing ops, this runs after every layer
+        h_in, h_out = h_in[:, -1:], h_out[:, -1:]
+    # float32: bf16 resolves cosines near 1 only to ~0.004, coarser than the taus that matter (0.97 vs 0.975)
+    return F.cosine_similarity(h_in.float(), h_out.float(), dim=-1).view(-1)
 
 
 def sequence_similarity(h_in: torch.Tensor, h_out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -58,7 +61,7 @@ def batch_passes(similarity: torch.Tensor, tau: float, policy: str = "batch_min"
     """The paper's batch policy: the batch exits only when every row's similarity exceeds tau."""
     if policy != "batch_min":
         raise ValueError(f"`exit_policy`={policy!r} is not supported; choose one of {EXIT_POLICIES}.")
-    return bool(similarity.min() > tau)
+    return similarity.min().item() > tau  # .item(): one host read instead of a tensor comparison, then bool()
 
 
 class ExitRouter:
