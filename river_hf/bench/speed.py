@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.streamers import BaseStreamer
@@ -18,6 +19,8 @@ class TokenClock(BaseStreamer):
         self.token_times: list[float] = []
 
     def put(self, value):
+        if value.is_cuda:  # kernels run asynchronously: a token exists once its step has finished
+            torch.cuda.synchronize(value.device)
         now = time.perf_counter()
         if self.start is None:
             self.start = now
@@ -34,28 +37,52 @@ class Timing:
     prefill_s: float            # from the call to the first new token
     new_tokens: int
     mean_exit_depth: float      # over decoded positions; nan for a plain backbone run
+    token_times: list[float] = field(default_factory=list)  # seconds from the call to each new token (the raw data)
+    token_ids: list[int] = field(default_factory=list)      # the new tokens (row 0)
+    exit_depths: list[int] | None = None  # backbone layers each decoded position ran (row 0); None without a river
+    cuda_peak_bytes: int | None = None    # torch.cuda.max_memory_allocated during the call; None on CPU
+
+    @property
+    def decode_s(self) -> float:
+        return self.token_times[-1] - self.token_times[0] if len(self.token_times) > 1 else float("nan")
 
 
 @torch.no_grad()
 def time_generate(model, inputs: dict, generation_config) -> Timing:
+    device = inputs["input_ids"].device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     clock = TokenClock()
-    out = model.generate(**inputs, generation_config=generation_config, streamer=clock, return_dict_in_generate=True)
-    times = clock.token_times
+    generation_config = copy.deepcopy(generation_config)  # the caller's config stays as it was
+    generation_config.return_dict_in_generate = True  # for the cache and its exit record
+    out = model.generate(**inputs, generation_config=generation_config, streamer=clock)
+    times = [t - clock.start for t in clock.token_times]
     decode_s = times[-1] - times[0] if len(times) > 1 else float("nan")
-    depth = out.cache.mean_exit_depth() if hasattr(out.cache, "mean_exit_depth") else float("nan")
-    return Timing((len(times) - 1) / decode_s, times[0] - clock.start, len(times), depth)
+    cache = out.cache
+    river = hasattr(cache, "mean_exit_depth")
+    return Timing(
+        decode_tokens_per_s=(len(times) - 1) / decode_s, prefill_s=times[0], new_tokens=len(times),
+        mean_exit_depth=cache.mean_exit_depth() if river else float("nan"), token_times=times,
+        token_ids=out.sequences[0, inputs["input_ids"].shape[1]:].tolist(),
+        exit_depths=cache.exit_depth[0, cache.prompt_length:].tolist() if river else None,
+        cuda_peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
 
 
-def interleaved(model, systems: dict, prompts: list[dict], rounds: int = 2, progress=None) -> dict[str, list[Timing]]:
+def interleaved(model, systems: dict, prompts: list[dict], rounds: int = 2, progress=None,
+                models: dict | None = None) -> dict[str, list[Timing]]:
     """Time every system (name -> generation config) on every prompt, after one warm-up pass, in the order
-    A B C A B C ...: drifting machine load then hits all systems alike. `progress(n)` is called after each run."""
-    for config in systems.values():  # warm-up: first calls pay for allocation and kernel selection
-        time_generate(model, prompts[0], config)
+    A B C A B C ...: drifting machine load then hits all systems alike. `progress(n)` is called after each run.
+
+    `models` (name -> model) runs a system on a model of its own (e.g. a static full-quantization reference that
+    shares the weights); the others run on `model`. Runs are listed prompt by prompt, round after round."""
+    models = models or {}
+    for name, config in systems.items():  # warm-up: first calls pay for allocation and kernel selection
+        time_generate(models.get(name, model), prompts[0], config)
     timings: dict[str, list[Timing]] = {name: [] for name in systems}
     for _ in range(rounds):
         for inputs in prompts:
             for name, config in systems.items():
-                timings[name].append(time_generate(model, inputs, config))
+                timings[name].append(time_generate(models.get(name, model), inputs, config))
                 if progress is not None:
                     progress(1)
     return timings

@@ -1,0 +1,256 @@
+"""`river-hf bench`: one small run on a tiny random Llama saved to disk, then its record, table and plots checked."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import statistics
+import sys
+
+import pytest
+import torch
+
+import river_hf
+from river_hf.bench import prompts as bench_prompts
+from river_hf.bench.plots import pareto_front
+from river_hf.bench.run import FULL, QUICK, SCHEMA, BenchSettings, river_taus
+from river_hf.bench.systems import SMOLLM2_TAUS, default_taus, static_full_quant, weight_bytes
+from river_hf.cli import build_parser, main
+from river_hf.models import build_chat_inputs, load_model_and_tokenizer
+
+from conftest import tiny_model
+from test_models import save_tiny_model  # tests/ is on sys.path (no __init__.py there)
+
+NUM_LAYERS = 4
+PROMPTS, ROUNDS, TOKENS = 2, 1, 6
+QUESTIONS = ["what is two plus three?", "hello world", "the answer is five"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_questions(path, questions=QUESTIONS, field="question"):
+    path.write_text("".join(json.dumps({field: q}) + "\n" for q in questions))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """(record, stdout, output path): backbone, full-quant, static full-quant and taus 0.8 and 1.5."""
+    root = tmp_path_factory.mktemp("bench")
+    model_dir = save_tiny_model(root / "tiny-llama", num_layers=NUM_LAYERS)
+    data = write_questions(root / "questions.jsonl")
+    output = root / "out" / "run.json"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):  # (capsys is function-scoped)
+        code = main(["bench", "--model", model_dir, "--data", data, "--taus", "-1", "0.8", "1.5", "--prompts",
+                     str(PROMPTS), "--rounds", str(ROUNDS), "--max-new-tokens", str(TOKENS), "--fidelity-prompts",
+                     "2", "--fidelity-tokens", "5", "--output", str(output)])
+    assert code == 0
+    return json.loads(output.read_text()), stdout.getvalue(), output
+
+
+def systems_by_name(record):
+    return {system["name"]: system for system in record["systems"]}
+
+
+# ---- the record -------------------------------------------------------------------------------------------------
+def test_record_schema(bench_run):
+    record, _, _ = bench_run
+    assert record["schema"] == SCHEMA
+    assert {"created", "arguments", "model", "prompts", "environment", "settings", "twins", "systems", "memory",
+            "target"} <= set(record)
+    assert record["twins"] == {"nbits": 4, "group_size": 64, "start_layer": 1, "skip_modules": [],
+                               "backend": "auto", "kernels": ["int4pack_cpu"], "num_layers": NUM_LAYERS}
+    assert record["settings"]["taus"] == [0.8, 1.5]  # -1 is full-quant, measured anyway
+    assert record["prompts"]["texts"] == QUESTIONS[:2]
+    env = record["environment"]
+    assert env["torch"] == torch.__version__ and env["transformers"] and env["torch_threads"] >= 1
+    memory = record["memory"]
+    assert memory["backbone_weight_bytes"] > memory["twin_weight_bytes"] > 0
+    assert memory["process_peak_rss_bytes"] >= memory["process_peak_rss_after_build_bytes"] > 0
+    names = [system["name"] for system in record["systems"]]
+    assert names == ["backbone", "full-quant", "static-full-quant", "tau=0.8", "tau=1.5"]
+
+
+def test_every_run_is_recorded_raw(bench_run):
+    record, _, _ = bench_run
+    for system in record["systems"]:
+        runs = system["runs"]
+        assert [(run["round"], run["prompt"]) for run in runs] == [(r, p) for r in range(ROUNDS)
+                                                                   for p in range(PROMPTS)]
+        for run in runs:
+            assert run["new_tokens"] == TOKENS == len(run["token_times_s"]) == len(run["token_ids"])
+            assert run["token_times_s"] == sorted(run["token_times_s"])
+        river = system["kind"] in ("full-quant", "river")
+        assert (system["summary"]["exit_depth_histogram"] is not None) == river
+        if river:  # one depth per decoded position: every new token but the last passed through the model
+            histogram = system["summary"]["exit_depth_histogram"]
+            assert sum(histogram.values()) == PROMPTS * ROUNDS * (TOKENS - 1)
+            assert all(len(run["exit_depths"]) == TOKENS - 1 for run in runs)
+
+
+def test_speed_ratios_follow_from_the_raw_token_times(bench_run):
+    record, _, _ = bench_run
+
+    def median_rate(system):
+        return statistics.median((len(t) - 1) / (t[-1] - t[0]) for t in (r["token_times_s"] for r in system["runs"]))
+
+    systems = systems_by_name(record)
+    base, static = median_rate(systems["backbone"]), median_rate(systems["static-full-quant"])
+    for system in record["systems"]:
+        summary = system["summary"]
+        assert summary["decode_tokens_per_s"] == pytest.approx(median_rate(system))
+        assert summary["speed_ratio"] == pytest.approx(median_rate(system) / base)
+        assert summary["ratio_vs_static_full_quant"] == pytest.approx(median_rate(system) / static)
+        prefill = statistics.median(run["token_times_s"][0] for run in system["runs"])
+        assert summary["prefill_ms"] == pytest.approx(1000 * prefill)
+    target = record["target"]
+    assert target["full_quant_vs_static_full_quant"] == systems["full-quant"]["summary"]["ratio_vs_static_full_quant"]
+    assert target["met"] == (target["full_quant_vs_static_full_quant"] >= target["target"])
+
+
+def test_tau_above_one_is_the_backbone(bench_run):
+    record, _, _ = bench_run
+    systems = systems_by_name(record)
+    never = systems["tau=1.5"]
+    assert never["fidelity"]["match"] == 1.0 and never["fidelity"]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert never["summary"]["exit_depth_histogram"] == {str(NUM_LAYERS): PROMPTS * ROUNDS * (TOKENS - 1)}
+    assert [r["token_ids"] for r in never["runs"]] == [r["token_ids"] for r in systems["backbone"]["runs"]]
+
+
+def test_static_reference_computes_what_full_quant_computes(bench_run):
+    record, _, _ = bench_run
+    systems = systems_by_name(record)
+    full, static = systems["full-quant"], systems["static-full-quant"]
+    assert [r["token_ids"] for r in full["runs"]] == [r["token_ids"] for r in static["runs"]]
+    assert full["summary"]["exit_depth_histogram"] == {"1": PROMPTS * ROUNDS * (TOKENS - 1)}
+    assert full["fidelity"]["match"] == pytest.approx(static["fidelity"]["match"])
+    assert full["fidelity"]["kl"] == pytest.approx(static["fidelity"]["kl"], rel=1e-4, abs=1e-7)
+
+
+def test_table_names_the_twins_and_every_system(bench_run):
+    _, out, _ = bench_run
+    assert f"twins: 4-bit HQQ, group 64, from layer 1 of {NUM_LAYERS}, kernel int4pack_cpu" in out
+    for label in ("| backbone |", "| full-quant (river tau=-1) |", "| static full-quant (no router) |",
+                  "| river tau=0.8 |", "| river tau=1.5 |"):
+        assert label in out
+    assert "runs at" in out and "the static full-quant model" in out
+
+
+def test_plots_are_png_files(bench_run):
+    _, out, output = bench_run
+    for suffix in ("-pareto.png", "-exit-depths.png"):
+        path = output.with_name(output.stem + suffix)
+        data = path.read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and data[12:16] == b"IHDR"
+        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        assert width > 100 and height > 100
+        assert str(path) in out
+
+
+# ---- the pieces -------------------------------------------------------------------------------------------------
+def test_static_full_quant_shares_every_tensor_and_leaves_the_river_alone():
+    model = river_hf.build_river(tiny_model(), progress=False)
+    ids = torch.randint(3, 256, (1, 5))
+    static = static_full_quant(model)
+    river_tensors = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
+    assert all(t.data_ptr() in river_tensors for t in (*static.parameters(), *static.buffers()))
+    assert not river_hf.is_river(static)
+    assert all(isinstance(layer, river_hf.RiverLayer) for layer in river_hf.architectures.find_decoder_layers(model))
+    expected = model.generate(ids, max_new_tokens=5, do_sample=False, tau=-1)
+    assert torch.equal(static.generate(ids, max_new_tokens=5, do_sample=False), expected)
+
+
+def test_weight_bytes_counts_shared_norms_once():
+    plain = tiny_model()
+    backbone = sum(t.numel() * t.element_size() for t in (*plain.parameters(), *plain.buffers()))
+    sizes = weight_bytes(river_hf.build_river(plain, progress=False))
+    assert sizes["backbone"] == backbone and 0 < sizes["twins"] < backbone
+
+
+def test_default_taus(saved_tiny_model):
+    model, tokenizer = load_model_and_tokenizer(str(saved_tiny_model))
+    river_hf.build_river(model, progress=False)
+    inputs = build_chat_inputs(tokenizer, "w5 w9 w33 w40 w7")
+    assert default_taus(model, inputs, packaged=True, quick=False) == list(SMOLLM2_TAUS)
+    taus = default_taus(model, inputs, packaged=False, quick=True)
+    assert 1 <= len(taus) <= 3 and taus == sorted(taus) and all(-1 <= tau <= 1 for tau in taus)
+
+
+def test_river_taus_drop_full_quant_and_duplicates():
+    assert river_taus([0.99, -1, 0.97, 0.99, -2]) == [0.97, 0.99]
+
+
+def test_quick_preset_and_overrides():
+    args = build_parser().parse_args(["bench", "--quick", "--max-new-tokens", "16"])
+    settings = (QUICK if args.quick else FULL).with_overrides(**vars(args))
+    assert settings == BenchSettings(prompts=2, rounds=1, max_new_tokens=16, fidelity_prompts=3, fidelity_tokens=32)
+    assert FULL.max_new_tokens == 128
+
+
+def test_pareto_front_keeps_the_undominated_points():
+    points = [(1.0, 1.0), (0.8, 1.8), (0.9, 1.4), (0.85, 1.2), (0.9, 1.3)]
+    assert pareto_front(points) == [(0.8, 1.8), (0.9, 1.4), (1.0, 1.0)]
+
+
+# ---- prompts ----------------------------------------------------------------------------------------------------
+def test_prompts_from_a_jsonl_with_question_or_prompt(tmp_path):
+    path = write_questions(tmp_path / "p.jsonl", ["a", "b", "c"], field="prompt")
+    assert bench_prompts.load_prompts(2, data=path).prompts == ["a", "b"]
+
+
+def test_gsm8k_is_found_through_the_environment(tmp_path, monkeypatch):
+    (tmp_path / "gsm8k").mkdir()
+    write_questions(tmp_path / "gsm8k" / "train.jsonl", ["q1", "q2"])
+    monkeypatch.setenv(bench_prompts.DATA_ENV, str(tmp_path))
+    found = bench_prompts.load_prompts(5, split="train")
+    assert found.prompts == ["q1", "q2"] and found.source == str(tmp_path / "gsm8k" / "train.jsonl")
+
+
+def test_missing_gsm8k_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setenv(bench_prompts.DATA_ENV, str(tmp_path))
+    monkeypatch.setattr(bench_prompts, "REPO_ROOT", tmp_path / "repo")
+    with pytest.raises(ValueError, match="RIVER_HF_DATA.*`--data`"):
+        bench_prompts.load_prompts(2)
+
+
+def test_hub_dataset_without_datasets_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ModuleNotFoundError
+    with pytest.raises(ValueError, match="needs the `datasets` package"):
+        bench_prompts.load_prompts(2, dataset="openai/gsm8k:main")
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"answer": 3}'], "has no string field 'question' or 'prompt'"),
+    (["not json"], "is not JSON"),
+    (["[1, 2]"], "is not a JSON object"),
+])
+def test_bad_prompt_files(tmp_path, lines, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=message):
+        bench_prompts.load_prompts(2, data=str(path))
+
+
+# ---- bad arguments are usage errors, before any model loads ------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--data", "/no/such/file.jsonl"], "`--data`: file '/no/such/file.jsonl' not found"),
+    (["--taus", "nan"], "--taus must be real numbers"),
+    (["--nbits", "5"], "`nbits`=5 is not supported"),
+    (["--prompts", "0"], "--prompts: must be >= 1"),
+    (["--data", "x.jsonl", "--dataset", "openai/gsm8k"], "either `--data`"),
+])
+def test_bad_bench_arguments(args, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--model", "/no/such/model", *args])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_tau_sweep_example_is_river_hf_bench(capsys):
+    from test_examples import load_example
+
+    with pytest.raises(SystemExit) as info:
+        load_example("tau_sweep").main(["--help"])
+    assert info.value.code == 0
+    assert "usage: river-hf bench" in capsys.readouterr().out
