@@ -245,12 +245,3 @@ def test_bad_bench_arguments(args, message, capsys):
         main(["bench", "--model", "/no/such/model", *args])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
-
-
-def test_the_tau_sweep_example_is_river_hf_bench(capsys):
-    from test_examples import load_example
-
-    with pytest.raises(SystemExit) as info:
-        load_example("tau_sweep").main(["--help"])
-    assert info.value.code == 0
-    assert "usage: river-hf bench" in capsys.readouterr().out
