@@ -409,10 +409,11 @@ def _run_eval_task(args, task: str, metric: str, model, tokenizer, examples, qua
                    settings: dict) -> int:
     """Build the river, run every system on every example, print the table, write the JSON."""
     from .bench import eval as evaluation
+    from .bench.systems import twin_description
 
     if quant_config is not None:
         model = _build_river(model, quant_config)
-    twins = evaluation.twin_description(model, quant_config) if quant_config is not None else None
+    twins = twin_description(model) if quant_config is not None else None
     result = evaluation.run_eval(model, tokenizer, examples, systems, score, stops)
     num_layers = _num_layers(model)
     settings = {"model": args.model or "packaged SmolLM2-135M-Instruct (GGUF)", "gguf_file": args.gguf_file,

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from ..generation import RiverConfig
-from ..quantize import RiverQuantLinear
+from .systems import twin_label
 from .speed import Timing, time_generate
 
 BACKBONE = "backbone"
@@ -45,13 +45,6 @@ def eval_systems(taus: list[float], river: bool = True, **generation_kwargs) -> 
         for tau in dict.fromkeys(tau for tau in taus if tau != -1):
             systems[f"river tau={tau:g}"] = RiverConfig(tau=tau, **generation_kwargs)
     return systems
-
-
-def twin_description(model, quant_config) -> dict:
-    """How the twins were built, as run: the backend and group size each quantized linear actually got."""
-    linears = [module for module in model.modules() if isinstance(module, RiverQuantLinear)]
-    return {"nbits": quant_config.nbits, "group_size": sorted({m.group_size for m in linears}, key=str),
-            "start_layer": quant_config.start_layer, "backend": sorted({m.backend for m in linears})}
 
 
 # ---- running every system on every example ---------------------------------------------------------------------
@@ -193,8 +186,7 @@ def markdown_table(summaries: dict[str, dict], num_layers: int, metric: str = "a
 def twin_line(twins: dict | None) -> str:
     if twins is None:
         return "twins: none (--no-river: the backbone only)"
-    return (f"twins: {twins['nbits']}-bit HQQ, group size {'/'.join(map(str, twins['group_size']))}, "
-            f"from layer {twins['start_layer']}, backend {'/'.join(twins['backend'])}")
+    return twin_label(twins)
 
 
 def build_report(task: str, settings: dict, twins: dict | None, result: EvalResult, num_layers: int) -> dict:
