@@ -64,13 +64,8 @@ def _add_river_args(parser: argparse.ArgumentParser) -> None:
                        help="Exit threshold on cos(h_in, h_out) of a backbone layer: > 1 never exits, -1 exits as "
                             "early as allowed; 'auto' reads the tau `river-hf calibrate` saved for this model and "
                             "twin configuration (default: %(default)s; see README 'Choosing tau').")
-    group.add_argument("--nbits", type=int, default=4, metavar="N", help="Bits per twin weight (default: %(default)s).")
-    group.add_argument("--group-size", type=_positive_int, default=64, metavar="N",
-                       help="HQQ quantization group size of the twins (default: %(default)s).")
-    group.add_argument("--start-layer", type=_positive_int, default=1, metavar="L",
-                       help="First decoder layer with a twin: every token runs at least this many backbone layers "
-                            "(default: %(default)s).")
     group.add_argument("--no-river", action="store_true", help="Run the plain backbone: no twins, no exits.")
+    _add_twin_args(parser)  # the same twin options as bench/calibrate, so `--tau auto` finds their calibrations
 
 
 def _positive_int(text: str) -> int:
@@ -88,7 +83,7 @@ def _river_configs(args: argparse.Namespace, **generation_kwargs):
     try:
         if args.no_river:
             return None, GenerationConfig(**generation_kwargs)
-        quant_config = RiverQuantConfig(nbits=args.nbits, group_size=args.group_size, start_layer=args.start_layer)
+        quant_config = _twin_config(args)
         args.tau = _resolve_tau(args, quant_config)  # `--tau auto` becomes the calibrated value
         return quant_config, RiverConfig(tau=args.tau, **generation_kwargs)
     except ValueError as error:
