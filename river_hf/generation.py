@@ -14,7 +14,7 @@ import numbers
 from transformers import GenerationConfig
 
 from .cache import RiverCache
-from .layers import river_layers
+from .layers import backbone_layers, river_layers
 from .router import EXIT_POLICIES, PREFILL_EXITS, ExitRouter, RiverSettings
 
 # Exit threshold on cos(h_in, h_out), chosen for the packaged SmolLM2-135M with 4-bit group-64 twins: the fastest tau
@@ -120,6 +120,12 @@ class RiverGenerationMixin:
         if settings is not None:
             kwargs["cache"] = self._river_cache(settings, kwargs)
         return super().generate(inputs, generation_config=without_river_fields(generation_config), **kwargs)
+
+    def save_pretrained(self, *args, **kwargs):
+        """Save the backbone's own checkpoint. Twins are never stored: a model loaded with
+        `quantization_config=RiverQuantConfig(...)` saves that config, and loading the folder rebuilds them."""
+        with backbone_layers(self):
+            return super().save_pretrained(*args, **kwargs)
 
     def _river_cache(self, settings: RiverSettings, kwargs: dict) -> RiverCache:
         # (not `or`: an empty Cache is falsy, it has len() 0)

@@ -30,8 +30,9 @@ class RiverHfQuantizer(HfQuantizer):
         return build_river(model, self.quantization_config)
 
     def is_serializable(self, **kwargs) -> bool:
-        # A river is rebuilt from the backbone at load time; saving the twins would only duplicate the backbone.
-        return False
+        # RiverGenerationMixin.save_pretrained writes the backbone's checkpoint plus this config; loading it rebuilds
+        # the twins (storing them would only duplicate the backbone in another form).
+        return True
 
     @property
     def is_trainable(self) -> bool:

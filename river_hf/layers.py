@@ -9,6 +9,7 @@ the backbone's cache slot. Norms (and any other non-linear parameter) are shared
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -94,3 +95,20 @@ def river_layers(model: nn.Module) -> list[RiverLayer]:
 
 def twin_linears(twin: nn.Module) -> list[RiverQuantLinear]:
     return [module for module in twin.modules() if isinstance(module, RiverQuantLinear)]
+
+
+@contextmanager
+def backbone_layers(model: nn.Module):
+    """Inside the block the model's decoder layers are the plain backbone layers again (the RiverLayers return
+    after it, twins untouched): for saving exactly the original checkpoint."""
+    layers = find_decoder_layers(model)
+    wrapped = list(layers)
+    for idx, layer in enumerate(wrapped):
+        if isinstance(layer, RiverLayer):
+            layers[idx] = layer.base_layer
+    try:
+        yield model
+    finally:
+        for idx, layer in enumerate(wrapped):
+            layers[idx] = layer
+

@@ -49,7 +49,28 @@ def test_model_generation_config_with_tau_makes_the_river_the_default(saved_tiny
     assert (out.cache.exit_depth == 1).all()
 
 
-def test_saving_a_river_model_is_refused_with_a_hint(saved_tiny_model, tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(saved_tiny_model, quantization_config=RiverQuantConfig())
-    with pytest.raises(Exception, match="(?i)serializ|river"):
-        model.save_pretrained(tmp_path / "out")
+def test_save_writes_the_backbone_and_reloading_rebuilds_the_river(saved_tiny_model, tmp_path):
+    from safetensors.torch import load_file
+
+    quant = RiverQuantConfig(start_layer=2)
+    model = AutoModelForCausalLM.from_pretrained(saved_tiny_model, quantization_config=quant)
+    model.save_pretrained(tmp_path / "river")
+    assert river_hf.is_river(model) and len(river_hf.river_layers(model)) == 6  # the river is back after saving
+    original = load_file(saved_tiny_model / "model.safetensors")
+    saved = load_file(tmp_path / "river" / "model.safetensors")
+    assert saved.keys() == original.keys() and all(torch.equal(saved[k], original[k]) for k in original)
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "river")  # quantization_config came with config.json
+    assert river_hf.is_river(reloaded)
+    ids = torch.tensor([[5, 9, 33, 70]])
+    config = RiverConfig(tau=-1, max_new_tokens=5, do_sample=False)
+    assert torch.equal(reloaded.generate(ids, generation_config=config), model.generate(ids, generation_config=config))
+
+
+def test_saving_a_built_river_writes_the_plain_backbone(saved_tiny_model, tmp_path):
+    model = river_hf.build_river(AutoModelForCausalLM.from_pretrained(saved_tiny_model), progress=False)
+    model.save_pretrained(tmp_path / "plain")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    assert not river_hf.is_river(reloaded)
+    ids = torch.tensor([[5, 9, 33, 70]])
+    assert torch.equal(reloaded(ids).logits, AutoModelForCausalLM.from_pretrained(saved_tiny_model)(ids).logits)
