@@ -79,10 +79,13 @@ def measure_fidelity(model, references: list[Reference], settings: RiverSettings
     """Teacher-forced fidelity of the river at `settings` against precomputed backbone references, pooled over
     prompts (weighted by their number of positions). `settings=None` measures `model` as a plain model (e.g. a
     static full-quantization reference); its mean exit depth is then nan."""
-    matches, kls, depths, total = 0.0, 0.0, 0.0, 0
+    matches, kls, depths, total, decoded = 0.0, 0.0, 0.0, 0, 0
     for ref in references:
         system, depth = teacher_forced_logits(model, ref.prompt_ids, ref.continuation, settings)
         match, kl = compare(ref.logits, system)
-        n = len(ref.continuation)
-        matches, kls, depths, total = matches + match * n, kls + kl * n, depths + depth * n, total + n
-    return Fidelity(match=matches / total, kl=kls / total, mean_exit_depth=depths / total, positions=total)
+        n = len(ref.continuation)  # positions compared; the first comes from the prompt, so n - 1 decode steps
+        matches, kls, total = matches + match * n, kls + kl * n, total + n
+        if n > 1:
+            depths, decoded = depths + depth * (n - 1), decoded + n - 1
+    mean_depth = depths / decoded if decoded else float("nan")
+    return Fidelity(match=matches / total, kl=kls / total, mean_exit_depth=mean_depth, positions=total)
