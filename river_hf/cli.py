@@ -68,14 +68,22 @@ def _add_river_args(parser: argparse.ArgumentParser) -> None:
     _add_twin_args(parser)  # the same twin options as bench/calibrate, so `--tau auto` finds their calibrations
 
 
-def _positive_int(text: str) -> int:
+def _int_at_least(minimum: int, text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(1, text)
+
+
+def _non_negative_int(text: str) -> int:
+    return _int_at_least(0, text)
 
 
 def _river_configs(args: argparse.Namespace, **generation_kwargs):
@@ -335,16 +343,6 @@ def _add_eval_args(parser: argparse.ArgumentParser, task: str, run) -> None:
     _add_model_args(parser)
     _add_river_args(parser)
     parser.set_defaults(run=run, subparser=parser)
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def run_eval_gsm8k(args: argparse.Namespace) -> int:
