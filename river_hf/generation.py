@@ -16,12 +16,15 @@ from transformers import GenerationConfig
 from .cache import RiverCache
 from .layers import backbone_layers, river_layers
 from .router import EXIT_POLICIES, PREFILL_EXITS, ExitRouter, RiverSettings
+from .signals import EXIT_SIGNALS
+from .strategies import KV_STRATEGIES
 
 # Exit threshold on cos(h_in, h_out), chosen for the packaged SmolLM2-135M with 4-bit group-64 twins: the fastest tau
 # of a measured sweep whose teacher-forced next-token match stays >= 90% (README "Choosing tau"). The paper's
 # 0.5-0.9 suits Llama-3; on SmolLM2 it exits nearly every token after 2 layers.
 DEFAULT_TAU = 0.975
-RIVER_FIELDS = ("tau", "prefill_exit", "exit_policy")
+RIVER_FIELDS = ("tau", "prefill_exit", "exit_policy", "kv_strategy", "min_exit_layer", "exit_signal", "exit_rate",
+                "seed", "signal_layer")
 
 
 class RiverConfig(GenerationConfig):
@@ -36,14 +39,35 @@ class RiverConfig(GenerationConfig):
             an int = switch after that many backbone layers.
         exit_policy (`str`, defaults to "batch_min"): how rows of a batch agree: "batch_min" = the batch exits when
             every row's similarity exceeds tau (the paper's min over the batch).
+        kv_strategy (`str`, defaults to "river"): what the layers an exited token skips do about its K/V. "river" =
+            they run on the KV-sharing twins (the paper). The baselines, for comparison (README "KV strategies"):
+            "recompute", "state_propagation", "mask", "mono_decreasing"; they run the prompt on the full backbone.
+        min_exit_layer (`int`, *optional*): no token exits before this many backbone layers. Defaults to the
+            river's start layer, or half the layers for "mask" (which needs a minimum exit layer).
+        exit_signal (`str`, defaults to "cosine"): what decides an exit. "cosine" = cos(h_in, h_out) > tau after
+            each layer (the paper); "cosine_first" = decided once, at `signal_layer`; "update_norm" =
+            1 - |h_out - h_in| / |h_in| > tau; "random" = no signal, for the honest baseline (needs `exit_rate`).
+        exit_rate (`float`, *optional*): with `exit_signal="random"`, the probability that a decoded token exits
+            (at a uniformly random eligible layer).
+        seed (`int`, *optional*): seed of the "random" signal's generator.
+        signal_layer (`int`, *optional*): with `exit_signal="cosine_first"`, the depth (backbone layers run) at
+            which the single decision is made; defaults to the first eligible depth.
         kwargs: any `GenerationConfig` argument (max_new_tokens, do_sample, num_beams, ...).
     """
 
     def __init__(self, tau: float = DEFAULT_TAU, prefill_exit: str | int = "sequence",
-                 exit_policy: str = "batch_min", **kwargs):
+                 exit_policy: str = "batch_min", kv_strategy: str = "river", min_exit_layer: int | None = None,
+                 exit_signal: str = "cosine", exit_rate: float | None = None, seed: int | None = None,
+                 signal_layer: int | None = None, **kwargs):
         self.tau = tau
         self.prefill_exit = prefill_exit
         self.exit_policy = exit_policy
+        self.kv_strategy = kv_strategy
+        self.min_exit_layer = min_exit_layer
+        self.exit_signal = exit_signal
+        self.exit_rate = exit_rate
+        self.seed = seed
+        self.signal_layer = signal_layer
         super().__init__(**kwargs)  # ends with self.validate()
 
     def validate(self, *args, **kwargs):
@@ -63,7 +87,7 @@ class RiverConfig(GenerationConfig):
         return super().update(defaults_only=defaults_only, allow_custom_entries=allow_custom_entries, **kwargs)
 
     def river_settings(self) -> RiverSettings:
-        return RiverSettings(tau=float(self.tau), prefill_exit=self.prefill_exit, exit_policy=self.exit_policy)
+        return RiverSettings(tau=float(self.tau), **{name: getattr(self, name) for name in RIVER_FIELDS[1:]})
 
 
 def validate_river_fields(config) -> None:
@@ -83,6 +107,29 @@ def validate_river_fields(config) -> None:
     exit_policy = getattr(config, "exit_policy", "batch_min")
     if exit_policy not in EXIT_POLICIES:
         raise ValueError(f"`exit_policy`={exit_policy!r} is not supported; choose one of {EXIT_POLICIES}.")
+    kv_strategy = getattr(config, "kv_strategy", "river")
+    if kv_strategy not in KV_STRATEGIES:
+        raise ValueError(f"`kv_strategy`={kv_strategy!r} is not supported; choose one of {KV_STRATEGIES}.")
+    _validate_signal_fields(config)
+    for name in ("min_exit_layer", "signal_layer"):
+        value = getattr(config, name, None)
+        if value is not None and not (_is_int(value) and value >= 1):
+            raise ValueError(f"`{name}` must be None or an int >= 1 (a number of backbone layers); got {value!r}.")
+
+
+def _validate_signal_fields(config) -> None:
+    exit_signal = getattr(config, "exit_signal", "cosine")
+    if exit_signal not in EXIT_SIGNALS:
+        raise ValueError(f"`exit_signal`={exit_signal!r} is not supported; choose one of {EXIT_SIGNALS}.")
+    exit_rate = getattr(config, "exit_rate", None)
+    if exit_signal == "random" and exit_rate is None:
+        raise ValueError("`exit_signal`='random' needs `exit_rate`: the probability (0 to 1) that a token exits.")
+    if exit_rate is not None and (isinstance(exit_rate, bool) or not isinstance(exit_rate, numbers.Real)
+                                  or not 0.0 <= exit_rate <= 1.0):
+        raise ValueError(f"`exit_rate` must be a probability between 0 and 1; got {exit_rate!r}.")
+    seed = getattr(config, "seed", None)
+    if seed is not None and not _is_int(seed):
+        raise ValueError(f"`seed` must be None or an int; got {seed!r}.")
 
 
 def _is_int(value) -> bool:

@@ -19,21 +19,32 @@ from .cache import RiverCache
 from .quantize import RiverQuantLinear
 
 
+class StepState:
+    """Shared by a model's RiverLayers and anything else of the river outside the decoder (the LM head): the router
+    of the forward pass running now, or None when it is a plain backbone pass. Set by layer 0 at every pass."""
+
+    router = None
+
+
 class RiverLayer(nn.Module):
     """Dispatches one decoder layer to the backbone or its twin, as the step's `ExitRouter` decides."""
 
     def __init__(self, base_layer: nn.Module, twin: nn.Module | None, layer_idx: int, num_layers: int,
-                 quant_config=None):
+                 quant_config=None, step_state: StepState | None = None):
         super().__init__()
         self.base_layer = base_layer
         self.twin = twin
         self.layer_idx = layer_idx
         self.num_layers = num_layers
         self.quant_config = quant_config  # the RiverQuantConfig the twin was built with
+        self.step_state = step_state if step_state is not None else StepState()
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if not isinstance(cache, RiverCache) or cache.router is None:
+        is_river_pass = isinstance(cache, RiverCache) and cache.router is not None
+        if self.layer_idx == 0:
+            self.step_state.router = cache.router if is_river_pass else None
+        if not is_river_pass:
             return self.base_layer(hidden_states, *args, **kwargs)  # plain generate: the untouched backbone
         router = cache.router
         if self.layer_idx == 0:

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from .architectures import find_decoder_layers
 from .config import RiverQuantConfig
 from .generation import RiverGenerationMixin
-from .layers import RiverLayer, make_twin, river_layers  # noqa: F401  (river_layers re-exported)
+from .layers import RiverLayer, StepState, make_twin, river_layers  # noqa: F401  (river_layers re-exported)
 from .quantize import RiverQuantLinear
 
 _RIVER_CLASSES: dict[type, type] = {}
@@ -36,10 +36,12 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
     quantize = partial(RiverQuantLinear.from_linear, nbits=quant_config.nbits, group_size=quant_config.group_size,
                        axis=quant_config.axis, backend=quant_config.backend)
     indices = range(len(layers))
+    step_state = StepState()  # one per model: every layer (and a river LM head) sees the same pass
     for idx in tqdm(indices, desc="river: quantizing twins", disable=not progress, leave=False):
         layer = layers[idx]
         twin = make_twin(layer, quantize, quant_config.skip_modules) if idx >= quant_config.start_layer else None
-        layers[idx] = RiverLayer(layer, twin, layer_idx=idx, num_layers=len(layers), quant_config=quant_config)
+        layers[idx] = RiverLayer(layer, twin, layer_idx=idx, num_layers=len(layers), quant_config=quant_config,
+                                 step_state=step_state)
     model.__class__ = _river_class(type(model))
     return model
 

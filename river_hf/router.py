@@ -30,6 +30,12 @@ class RiverSettings:
     tau: float
     prefill_exit: str | int = "sequence"
     exit_policy: str = "batch_min"
+    kv_strategy: str = "river"
+    min_exit_layer: int | None = None  # None: the strategy's own minimum (start_layer, or more for "mask")
+    exit_signal: str = "cosine"
+    exit_rate: float | None = None  # "random" signal only: share of decoded tokens that exit
+    seed: int | None = None  # "random" signal only
+    signal_layer: int | None = None  # "cosine_first" only: the depth at which the single decision is made
 
     @property
     def never_exits(self) -> bool:
@@ -74,6 +80,8 @@ class ExitRouter:
         self.prompt_mask: torch.Tensor | None = None  # [B, T] attention mask of the prompt, for sequence exits
         self.exited = False
         self.depth = num_layers
+        self.min_depth = start_layer  # no exit before this many backbone layers (a KV strategy may raise it)
+        self.depth_cap: int | None = None  # exit no deeper than this (set per step by "mono_decreasing")
         self._sequence_level = False
 
     def begin_step(self, num_new_tokens: int, is_first_step: bool) -> None:
@@ -81,13 +89,18 @@ class ExitRouter:
         self._sequence_level = is_first_step or num_new_tokens > 1
         self.exited = False
         self.depth = self.num_layers
+        self.depth_cap = None
+
+    @property
+    def is_prefill(self) -> bool:
+        return self._sequence_level
 
     def observe(self, layer_idx: int, h_in: torch.Tensor, h_out: torch.Tensor) -> None:
         """Called after backbone layer `layer_idx` ran. May switch the rest of the step onto the twins."""
         depth = layer_idx + 1  # backbone layers run so far
-        if self.exited or not self.start_layer <= depth < self.num_layers:
+        if self.exited or not self.min_depth <= depth < self.num_layers:
             return
-        if self._should_exit(depth, h_in, h_out):
+        if (self.depth_cap is not None and depth >= self.depth_cap) or self._should_exit(depth, h_in, h_out):
             self._exit_at(depth)
 
     def _should_exit(self, depth: int, h_in: torch.Tensor, h_out: torch.Tensor) -> bool:
