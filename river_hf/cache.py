@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from .router import ExitRouter
+from .strategies import KVStrategy
 
 
 class KVIntegrityError(AssertionError):
@@ -27,6 +28,13 @@ class RiverCache(DynamicCache):
         self.num_layers = num_layers if num_layers is not None else getattr(router, "num_layers", None)
         self._depth_chunks: list[torch.Tensor] = []  # each [B, T_step]; concatenated lazily
         self.prompt_length = 0  # positions written by the first (prefill) step
+        self.strategy: KVStrategy | None = None  # what skipped layers do (set with the router by new_river_cache)
+        self.profile = False  # when True, layers add their wall time to `seconds` (costs a clock read per layer)
+        self.seconds: dict[str, float] = {"backbone": 0.0, "skipped": 0.0}
+
+    def add_time(self, part: str, seconds: float) -> None:
+        """Wall time of one layer call, by part: "backbone" (incl. recompute's catch-up) or "skipped" (twin/K-V)."""
+        self.seconds[part] = self.seconds.get(part, 0.0) + seconds
 
     # ---- the exit record -------------------------------------------------------------------------------------
     def record_step(self, depth: int, batch_size: int, num_tokens: int, device: torch.device) -> None:
@@ -65,13 +73,25 @@ class RiverCache(DynamicCache):
     # ---- KV integrity ----------------------------------------------------------------------------------------
     def kv_integrity_errors(self) -> list[str]:
         """Every layer must hold K/V for every recorded position; returns what is wrong (empty when all is well)."""
-        expected = self.recorded_length
         errors = []
         if self.num_layers is not None and len(self.layers) != self.num_layers:
             errors.append(f"cache has {len(self.layers)} layers, model has {self.num_layers}")
         for idx, layer in enumerate(self.layers):
-            errors.extend(_layer_errors(idx, layer, expected, self.exit_depth.shape[0]))
+            errors.extend(_layer_errors(idx, layer, self.expected_positions(idx), self.exit_depth.shape[0]))
         return errors
+
+    def expected_positions(self, layer_idx: int) -> int:
+        """Positions layer `layer_idx` must hold: all of them, except what the KV strategy leaves out by design
+        (mono_decreasing: positions that exited before it; recompute: tokens still waiting to run it)."""
+        if self.strategy is None:
+            return self.recorded_length
+        return self.strategy.expected_positions(layer_idx, self)
+
+    def flush_pending(self) -> None:
+        """Complete the K/V that the strategy left for later (recompute's waiting tokens); a no-op for the others."""
+        flush = getattr(self.strategy, "flush", None)
+        if flush is not None:
+            flush(self)
 
     def check_kv_integrity(self) -> None:
         """Raise `KVIntegrityError` naming each layer that is missing positions."""
@@ -103,6 +123,8 @@ class RiverCache(DynamicCache):
         self.prompt_length = 0
 
     def _map_record(self, fn) -> None:
+        if self.strategy is not None:
+            self.strategy.before_batch_change()
         if self._depth_chunks:
             self._depth_chunks = [fn(self.exit_depth)]
 

@@ -8,6 +8,7 @@ untouched backbone: the layers see a plain cache and never call a twin.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -17,7 +18,7 @@ from .cache import RiverCache
 from .layers import backbone_layers, river_layers
 from .router import EXIT_POLICIES, PREFILL_EXITS, ExitRouter, RiverSettings
 from .signals import EXIT_SIGNALS
-from .strategies import KV_STRATEGIES
+from .strategies import KV_STRATEGIES, make_strategy
 
 # Exit threshold on cos(h_in, h_out), chosen for the packaged SmolLM2-135M with 4-bit group-64 twins: the fastest tau
 # of a measured sweep whose teacher-forced next-token match stays >= 90% (README "Choosing tau"). The paper's
@@ -189,10 +190,27 @@ class RiverGenerationMixin:
 def new_river_cache(model, settings: RiverSettings, attention_mask=None, cache: RiverCache | None = None) -> RiverCache:
     """A RiverCache with a fresh router for `model` (for generate, or for driving the model's forward yourself)."""
     layers = river_layers(model)
+    text_config = model.config.get_text_config(decoder=True)
+    strategy = make_strategy(settings.kv_strategy, layers, text_config)
+    if strategy.runs_prompt_on_backbone:
+        settings = dataclasses.replace(settings, prefill_exit="none")
     start_layer = next(layer.layer_idx for layer in layers if layer.twin is not None)
     router = ExitRouter(settings, start_layer=start_layer, num_layers=len(layers))
+    router.min_depth = _min_exit_depth(settings, strategy, start_layer, len(layers))
     router.prompt_mask = attention_mask
     if cache is None:
-        return RiverCache(config=model.config.get_text_config(decoder=True), router=router, num_layers=len(layers))
-    cache.router, cache.num_layers = router, len(layers)
+        cache = RiverCache(config=text_config, num_layers=len(layers))
+    cache.router, cache.num_layers, cache.strategy = router, len(layers), strategy
     return cache
+
+
+def _min_exit_depth(settings: RiverSettings, strategy, start_layer: int, num_layers: int) -> int:
+    """No exit before the twins start, nor before the user's / the strategy's minimum exit layer."""
+    wanted = settings.min_exit_layer if settings.min_exit_layer is not None else strategy.default_min_exit_depth(
+        start_layer)
+    if wanted >= num_layers:
+        raise ValueError(
+            f"`min_exit_layer`={wanted} leaves nothing to exit: the model has {num_layers} layers, so it must be "
+            f"below {num_layers}."
+        )
+    return max(wanted, start_layer)

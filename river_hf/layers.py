@@ -9,6 +9,7 @@ the backbone's cache slot. Norms (and any other non-linear parameter) are shared
 from __future__ import annotations
 
 import copy
+import time
 from contextlib import contextmanager
 
 import torch
@@ -17,6 +18,9 @@ from torch import nn
 from .architectures import find_decoder_layers
 from .cache import RiverCache
 from .quantize import RiverQuantLinear
+from .strategies import KVStrategy
+
+_RIVER = KVStrategy([])  # a RiverCache made by hand, with a router but no strategy, runs the river
 
 
 class StepState:
@@ -46,13 +50,20 @@ class RiverLayer(nn.Module):
             self.step_state.router = cache.router if is_river_pass else None
         if not is_river_pass:
             return self.base_layer(hidden_states, *args, **kwargs)  # plain generate: the untouched backbone
-        router = cache.router
+        router, strategy = cache.router, cache.strategy or _RIVER
         if self.layer_idx == 0:
             router.begin_step(hidden_states.shape[1], is_first_step=cache.recorded_length == 0)
-        if router.exited:
-            output = self.twin(hidden_states, *args, **kwargs)
+            strategy.begin_step(cache, router)
+        started = time.perf_counter() if cache.profile else None
+        if router.exited:  # the strategy decides what a skipped layer does (the river: its twin)
+            output = strategy.run_skipped(self, hidden_states, args, kwargs, cache)
+            part = "skipped"
         else:
-            output = self.base_layer(hidden_states, *args, **kwargs)
+            output = strategy.run_backbone(self, hidden_states, args, kwargs, cache)
+            part = "backbone"
+        if started is not None:
+            cache.add_time(part, time.perf_counter() - started)
+        if part == "backbone":
             router.observe(self.layer_idx, hidden_states, _hidden_of(output))
         if self.layer_idx == self.num_layers - 1:
             cache.record_step(router.depth, hidden_states.shape[0], hidden_states.shape[1], hidden_states.device)

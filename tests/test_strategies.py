@@ -1,0 +1,230 @@
+"""The five KV strategies under one API: each one's own invariant, on tiny random models."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+import river_hf
+from river_hf import RiverConfig, RiverQuantConfig
+from river_hf import strategies as strategies_module
+from river_hf.generation import new_river_cache
+from river_hf.router import ExitRouter
+from river_hf.strategies import KV_STRATEGIES
+
+from conftest import mixed_tau, tiny_model
+
+LAYERS = 6
+FULL_ATTENTION_ONLY = ("recompute", "mask")
+
+
+def river_of(model, start_layer=1):
+    return river_hf.build_river(model, RiverQuantConfig(start_layer=start_layer, group_size=32), progress=False)
+
+
+def generate(model, ids, mask=None, max_new_tokens=16, **river):
+    config = RiverConfig(max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True, **river)
+    return model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
+                          generation_config=config)
+
+
+@pytest.fixture
+def random_exits(monkeypatch):
+    """Every decode step exits at a random eligible depth (any exit pattern, independent of the signal)."""
+    rng = random.Random(0)
+    monkeypatch.setattr(ExitRouter, "_should_exit", lambda self, depth, h_in, h_out: exits(self, rng))
+
+
+def exits(router, rng) -> bool:
+    """Decode steps exit at random; prompts follow the strategy's rule (the baselines prefill on the backbone)."""
+    if router.is_prefill and router.settings.prefill_exit == "none":
+        return False
+    return rng.random() < 0.4
+
+
+# one exit depth per decode step (6 = no exit); ends shallow, so tokens still wait for recompute at the end
+SCRIPT = [2, 4, 1, 6, 3, 1, 5, 2, 2, 6, 1, 3, 4, 1, 2, 5, 3, 1, 2]
+
+
+@pytest.fixture
+def scripted_exits(monkeypatch):
+    """Decode step i exits at depth SCRIPT[i] (clamped to the router's minimum); prompts never exit."""
+    begin_step = ExitRouter.begin_step
+
+    def scripted_begin_step(self, num_new_tokens, is_first_step):
+        begin_step(self, num_new_tokens, is_first_step)
+        self.script = getattr(self, "script", iter(SCRIPT))
+        self.target = LAYERS if self.is_prefill else next(self.script)
+
+    monkeypatch.setattr(ExitRouter, "begin_step", scripted_begin_step)
+    monkeypatch.setattr(ExitRouter, "_should_exit", lambda self, depth, h_in, h_out: depth >= self.target)
+
+
+def decoded_depths(cache) -> torch.Tensor:
+    return cache.exit_depth[:, cache.prompt_length:]
+
+
+# ---------------------------------------------------------------- shared behaviour
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("strategy", KV_STRATEGIES)
+def test_every_strategy_at_tau_above_one_equals_the_plain_model(arch, strategy, prompt_ids):
+    model = tiny_model(arch)
+    expected = model.generate(prompt_ids, generation_config=GenerationConfig(max_new_tokens=16, do_sample=False))
+    river_of(model)
+    if arch == "gemma3" and strategy in FULL_ATTENTION_ONLY:
+        with pytest.raises(ValueError, match="sliding-window"):
+            generate(model, prompt_ids, tau=1.5, kv_strategy=strategy)
+        return
+    out = generate(model, prompt_ids, tau=1.5, kv_strategy=strategy)
+    assert torch.equal(out.sequences, expected)
+    assert (out.cache.exit_depth == LAYERS).all()
+    out.cache.check_kv_integrity()
+
+
+def test_bad_strategy_name_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="`kv_strategy`='skip'.*'river', 'recompute', 'state_propagation', 'mask'"):
+        RiverConfig(kv_strategy="skip")
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "state_propagation", "mask", "mono_decreasing"])
+def test_baselines_run_the_prompt_on_the_full_backbone(strategy, prompt_ids):
+    model = river_of(tiny_model())
+    out = generate(model, prompt_ids, tau=-1, kv_strategy=strategy)
+    assert (out.cache.exit_depth[:, :out.cache.prompt_length] == LAYERS).all()
+    assert (decoded_depths(out.cache) < LAYERS).all()
+
+
+def test_profile_splits_backbone_and_skipped_time(prompt_ids):
+    model = river_of(tiny_model())
+    cache = new_river_cache(model, RiverConfig(tau=-1).river_settings())
+    cache.profile = True
+    model.generate(prompt_ids, max_new_tokens=8, do_sample=False, cache=cache)
+    assert cache.seconds["backbone"] > 0 and cache.seconds["skipped"] > 0
+
+
+def test_min_exit_layer_too_deep_is_a_clear_error(prompt_ids):
+    model = river_of(tiny_model())
+    with pytest.raises(ValueError, match="`min_exit_layer`=6"):
+        generate(model, prompt_ids, tau=-1, min_exit_layer=6)
+
+
+# ---------------------------------------------------------------- recompute
+
+
+def plain_cache_of(model, sequences, mask) -> DynamicCache:
+    """The backbone's own K/V for every position of `sequences` (one full forward)."""
+    position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate numbers left-padded rows
+    with river_hf.layers.backbone_layers(model), torch.no_grad():
+        return model(sequences, attention_mask=mask, position_ids=position_ids, cache=DynamicCache(),
+                     use_cache=True).cache
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_recompute_fills_every_hole_with_the_backbones_exact_kv(padded, prompt_ids, left_padded_batch,
+                                                               scripted_exits):
+    """Recompute only delays K/V: once the waiting tokens are flushed, the cache equals the backbone's own cache of
+    the same tokens (the exited tokens' hidden states at their exit layer are exact, and so is every layer after)."""
+    ids, mask = left_padded_batch if padded else (prompt_ids, torch.ones_like(prompt_ids))
+    model = river_of(tiny_model())
+    out = generate(model, ids, mask, max_new_tokens=len(SCRIPT) + 1, kv_strategy="recompute", tau=0.5)
+    cache = out.cache
+    assert decoded_depths(cache)[0].tolist() == SCRIPT
+    holes = [cache.recorded_length - layer.get_seq_length() for layer in cache.layers]
+    assert max(holes) > 0  # some tokens were still waiting for their deeper layers
+    cache.check_kv_integrity()  # ... exactly where the strategy says they wait
+    cache.flush_pending()
+    assert all(layer.get_seq_length() == cache.recorded_length for layer in cache.layers)
+    fed = out.sequences[:, :-1]  # the last generated token was never fed back
+    full_mask = torch.cat([mask, torch.ones_like(fed[:, mask.shape[1]:])], dim=1)
+    reference = plain_cache_of(model, fed, full_mask)
+    real = full_mask.bool()  # padding K/V is never attended and may differ
+    for idx, (layer, expected) in enumerate(zip(cache.layers, reference.layers)):
+        for name in ("keys", "values"):
+            got, want = getattr(layer, name).transpose(1, 2)[real], getattr(expected, name).transpose(1, 2)[real]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"{name} of layer {idx}")
+
+
+def test_recompute_refuses_beam_search_once_tokens_wait(prompt_ids, random_exits):
+    model = river_of(tiny_model())
+    with pytest.raises(NotImplementedError, match="recompute.*beam"):
+        generate(model, prompt_ids, kv_strategy="recompute", tau=0.5, num_beams=2, max_new_tokens=12)
+
+
+# ---------------------------------------------------------------- state propagation
+
+
+def test_state_propagation_writes_kv_of_the_exit_state_and_skips_attention_and_mlp(prompt_ids, random_exits):
+    model = river_of(tiny_model())
+    layers = river_hf.river_layers(model)
+    exit_states, mlp_calls = [], [0] * LAYERS
+    # the last layer's input is the state the token exited with (skipped layers pass it on unchanged)
+    layers[-1].register_forward_pre_hook(lambda module, args, kwargs: exit_states.append(args[0]), with_kwargs=True)
+    for idx, layer in enumerate(layers):
+        layer.base_layer.mlp.register_forward_hook(lambda *_, idx=idx: mlp_calls.__setitem__(idx, mlp_calls[idx] + 1))
+    out = generate(model, prompt_ids, kv_strategy="state_propagation", tau=0.5, max_new_tokens=20)
+    cache = out.cache
+    cache.check_kv_integrity()
+    steps = cache.exit_depth[0, cache.prompt_length - 1:]  # one depth per forward: the prompt's, then each token's
+    depth_of_step = [LAYERS] + decoded_depths(cache)[0].tolist()
+    assert depth_of_step[1:] == steps[1:].tolist() and min(depth_of_step) < LAYERS
+    for idx in range(LAYERS):  # the MLP ran only for steps that reached the layer
+        assert mlp_calls[idx] == sum(depth > idx for depth in depth_of_step)
+    for step, depth in enumerate(depth_of_step[1:], start=1):
+        position = cache.prompt_length + step - 1
+        for idx in range(depth, LAYERS):  # V has no rotary embedding: V = v_proj(norm(h_exit)) exactly
+            attn = layers[idx].base_layer
+            expected = attn.self_attn.v_proj(attn.input_layernorm(exit_states[step]))
+            got = cache.layers[idx].values[:, :, position].flatten(1)
+            torch.testing.assert_close(got, expected[:, 0], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- mask
+
+
+def test_mask_never_attends_to_skipped_positions(prompt_ids, monkeypatch, random_exits):
+    """Whatever the placeholders of skipped positions hold, the output is the same: they are never attended."""
+    model = river_of(tiny_model())
+    results = []
+    for placeholder in (torch.zeros, lambda shape, **kw: torch.full(shape, 1e4, **kw)):
+        monkeypatch.setattr(strategies_module, "placeholder_kv",
+                            lambda shape, like, make=placeholder: make(shape, dtype=like.dtype, device=like.device))
+        random.seed(0)
+        rng = random.Random(0)
+        monkeypatch.setattr(ExitRouter, "_should_exit", lambda self, depth, h_in, h_out, rng=rng: exits(self, rng))
+        out = generate(model, prompt_ids, kv_strategy="mask", tau=0.5, max_new_tokens=20, output_logits=True)
+        out.cache.check_kv_integrity()
+        results.append(out)
+    depths = decoded_depths(results[0].cache)
+    assert (depths < LAYERS).any()
+    assert torch.equal(results[0].sequences, results[1].sequences)
+    for zeros, garbage in zip(results[0].logits, results[1].logits):
+        torch.testing.assert_close(zeros, garbage)
+
+
+def test_mask_enforces_a_minimum_exit_layer(prompt_ids):
+    model = river_of(tiny_model())
+    out = generate(model, prompt_ids, kv_strategy="mask", tau=-1)
+    assert (decoded_depths(out.cache) == LAYERS // 2).all()
+    out = generate(model, prompt_ids, kv_strategy="mask", tau=-1, min_exit_layer=2)
+    assert (decoded_depths(out.cache) == 2).all()
+
+
+# ---------------------------------------------------------------- mono-decreasing
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_mono_decreasing_depths_never_increase_and_deeper_kv_is_a_prefix(arch, prompt_ids, random_exits):
+    model = river_of(tiny_model(arch))
+    out = generate(model, prompt_ids, kv_strategy="mono_decreasing", tau=0.5, max_new_tokens=24)
+    cache = out.cache
+    depths = cache.exit_depth[0]
+    assert (depths[1:] <= depths[:-1]).all() and depths[-1] < LAYERS
+    cache.check_kv_integrity()
+    if arch == "llama":
+        for idx, layer in enumerate(cache.layers):
+            assert layer.get_seq_length() == int((depths > idx).sum())
