@@ -11,6 +11,7 @@ from .config import RiverQuantConfig
 from .generation import RiverConfig, RiverGenerationMixin
 from .hf_integration import register_with_transformers
 from .layers import RiverLayer
+from .lm_head import RiverLMHead
 from .patching import build_river, is_river, remove_river, river_layers
 
 register_with_transformers()
@@ -20,6 +21,7 @@ __all__ = [
     "RiverCache",
     "RiverConfig",
     "RiverGenerationMixin",
+    "RiverLMHead",
     "RiverLayer",
     "RiverQuantConfig",
     "UnsupportedModelError",

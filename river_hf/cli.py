@@ -16,10 +16,12 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, TextStreamer, set_seed
 
-from .config import RiverQuantConfig
+from .config import RiverQuantConfig, bits_label
 from .generation import DEFAULT_TAU, RiverConfig
 from .models import build_chat_inputs, load_model_and_tokenizer
 from .patching import build_river
+from .signals import EXIT_SIGNALS
+from .strategies import KV_STRATEGIES
 
 
 
@@ -108,7 +110,8 @@ def _load(args: argparse.Namespace):
 def _build_river(model, quant_config: RiverQuantConfig):
     num_layers = _num_layers(model)
     print(f"building river: quantizing {max(num_layers - quant_config.start_layer, 0)} layers "
-          f"({quant_config.nbits}-bit twins, group {quant_config.group_size})...", file=sys.stderr, flush=True)
+          f"({bits_label(quant_config.nbits)}-bit twins, group {quant_config.group_size})...", file=sys.stderr,
+          flush=True)
     try:
         return build_river(model, quant_config)
     except ValueError as error:  # e.g. --start-layer beyond the model's depth
@@ -158,7 +161,7 @@ def run_generate(args: argparse.Namespace) -> int:
     depths = token_exit_depths(out.cache, prompt_length, len(new_ids)) if quant_config is not None else None
     stats = GenerationStats.collect(streamer, _num_layers(model), depths)
     river = None if quant_config is None else (
-        f"tau {args.tau:g}, {quant_config.nbits}-bit twins, group {quant_config.group_size}, "
+        f"tau {args.tau:g}, {bits_label(quant_config.nbits)}-bit twins, group {quant_config.group_size}, "
         f"from layer {quant_config.start_layer}")
     print(stats.summary_line(river))
     if args.show_exits:
@@ -469,13 +472,34 @@ def _add_twin_args(parser: argparse.ArgumentParser) -> None:
     from .quantize import BACKENDS
 
     group = parser.add_argument_group("twins")
-    group.add_argument("--nbits", type=int, default=4, metavar="N", help="Bits per twin weight (default: %(default)s).")
+    group.add_argument("--nbits", type=_nbits_arg, default=4, metavar="N|SCHEDULE",
+                       help="Bits per twin weight (default: %(default)s), or a schedule with one entry per river layer "
+                            "(layers start_layer..L-1), where B*K repeats B K times: e.g. 8*8,4*21 for SmolLM2's 29 "
+                            "river layers.")
+    group.add_argument("--quantize-lm-head", action="store_true",
+                       help="Steps that exited also use a quantized copy of the LM head (the backbone keeps its own).")
+    group.add_argument("--lm-head-nbits", type=int, default=8, metavar="N",
+                       help="Bits of the quantized LM head (default: %(default)s).")
     group.add_argument("--group-size", type=_group_size_arg, default=64, metavar="N",
                        help="HQQ quantization group size, or 'none' for one group per row (default: %(default)s).")
     group.add_argument("--start-layer", type=_positive_int, default=1, metavar="L",
                        help="First decoder layer with a twin (default: %(default)s).")
     group.add_argument("--backend", default="auto", choices=BACKENDS,
                        help="Twin kernel; 'auto' picks the fastest for the device (default: %(default)s).")
+
+
+def _nbits_arg(text: str) -> int | list[int]:
+    """'4' -> 4; '8*2,4*3' or '8,8,4,4,4' -> [8, 8, 4, 4, 4]."""
+    try:
+        if "," not in text and "*" not in text:
+            return int(text)
+        schedule = []
+        for part in text.split(","):
+            bits, _, count = part.partition("*")
+            schedule += [int(bits)] * (int(count) if count else 1)
+        return schedule
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bits (e.g. 4) or a schedule (e.g. 8*8,4*21); got {text!r}")
 
 
 def _group_size_arg(text: str) -> int | None:
@@ -485,7 +509,8 @@ def _group_size_arg(text: str) -> int | None:
 def _twin_config(args: argparse.Namespace) -> RiverQuantConfig:
     try:
         return RiverQuantConfig(nbits=args.nbits, group_size=args.group_size, start_layer=args.start_layer,
-                                backend=args.backend)
+                                backend=args.backend, quantize_lm_head=args.quantize_lm_head,
+                                lm_head_nbits=args.lm_head_nbits)
     except ValueError as error:
         raise CLIError(str(error)) from error
 
@@ -541,15 +566,43 @@ def _add_bench_parser(subparsers) -> None:
     parser.add_argument("--output", default=None, metavar="PATH",
                         help="JSON file (default: runs/bench-<timestamp>.json); the plots go beside it.")
     parser.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
+    signals = parser.add_argument_group("exit signals and the random-routing baseline")
+    signals.add_argument("--signals", nargs="+", default=[], metavar="NAME",
+                         choices=[name for name in EXIT_SIGNALS if name not in ("cosine", "random")],
+                         help="Exit signals to sweep besides the paper's cosine, each at quantiles of its own "
+                              "scores (or --signal-taus).")
+    signals.add_argument("--signal-taus", type=float, nargs="+", default=None, metavar="T",
+                         help="The taus of every signal in --signals (default: quantiles of its scores).")
+    signals.add_argument("--signal-layer", type=_positive_int, default=None, metavar="D",
+                         help="cosine_first: the depth at which it decides (default: the first eligible one).")
+    signals.add_argument("--exit-rates", type=_probability, nargs="*", default=None, metavar="P",
+                         help="Random routing (each decoded token exits with probability P at a random layer) at "
+                              "these rates, drawn as the baseline curve; none given: no baseline (default: "
+                              "0.2 0.4 0.6 0.8 0.9; --quick: 0.3 0.7).")
+    signals.add_argument("--seed", type=int, default=0, help="Seed of the random routing (default: %(default)s).")
+    strategies = parser.add_argument_group("KV strategies (the paper's Fig. 3)")
+    strategies.add_argument("--strategies", nargs="+", default=None, metavar="NAME",
+                            choices=["all", *KV_STRATEGIES],
+                            help="Instead of the tau sweep: the backbone and each KV strategy ('all': "
+                                 f"{', '.join(KV_STRATEGIES)}) at two thresholds, with where the decode time goes.")
+    strategies.add_argument("--strategy-taus", type=float, nargs=2, default=None, metavar=("RELAXED", "STRICT"),
+                            help="The two thresholds (default: 0.97 0.985 for the packaged SmolLM2, else the 25%% "
+                                 "and 75%% quantiles of the model's layer similarities).")
     _add_prompt_args(parser, split="test")
     _add_model_args(parser)
     _add_twin_args(parser)
     parser.set_defaults(run=run_bench, subparser=parser)
 
 
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a probability between 0 and 1, got {text}")
+    return value
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from .bench import run as bench
-    from .bench.systems import default_taus
 
     if args.taus is not None and not all(math.isfinite(tau) for tau in args.taus):
         raise CLIError(f"--taus must be real numbers; got {args.taus}.")
@@ -561,18 +614,38 @@ def run_bench(args: argparse.Namespace) -> int:
     model = _build_river(model, quant_config)
     inputs = [build_chat_inputs(tokenizer, prompt, model.device) for prompt in prompt_set.prompts]
     packaged = args.model is None and args.gguf_file is None
-    taus = args.taus if args.taus is not None else default_taus(model, inputs[0], packaged, args.quick)
-    record = bench.run_bench(model, inputs, settings, taus)
+    systems = _bench_systems(args, model, inputs[0], settings, packaged)
+    record = bench.run_bench(model, inputs, settings, systems)
     record = bench.finish_record(record, model_id, args.device, prompt_set.source, prompt_set.prompts,
                                  _arguments(args), started)
     output = bench.write_record(record, args.output or bench.default_output())
-    print(bench.markdown_table(record))
+    print(bench.strategy_table(record) if args.strategies else bench.markdown_table(record))
     print(f"\nrecord: {output}")
     if not args.no_plots:
         from .bench.plots import write_plots
 
         print("plots: " + ", ".join(map(str, write_plots(record, output))))
     return 0
+
+
+def _bench_systems(args: argparse.Namespace, model, inputs: dict, settings, packaged: bool) -> list:
+    """The systems one bench run compares: the KV strategies (--strategies), or the tau sweep with its baselines."""
+    from .bench import run as bench
+    from .bench import systems
+
+    fixed = systems.fixed_length(settings.max_new_tokens)
+    if args.strategies:
+        names = list(KV_STRATEGIES) if "all" in args.strategies else list(dict.fromkeys(args.strategies))
+        taus = args.strategy_taus or systems.strategy_taus(model, inputs, packaged)
+        return [systems.reference_systems(None, fixed)[0], *systems.strategy_systems(names, taus, fixed)]
+    taus = args.taus if args.taus is not None else systems.default_taus(model, inputs, packaged, args.quick)
+    signal_grids = {signal: args.signal_taus or systems.signal_taus(model, inputs, signal, args.quick,
+                                                                    args.signal_layer)
+                    for signal in args.signals}
+    rates = args.exit_rates
+    if rates is None:
+        rates = systems.QUICK_EXIT_RATES if args.quick else systems.EXIT_RATES
+    return bench.sweep_systems(model, settings, taus, signal_grids, rates, args.seed, args.signal_layer)
 
 
 # ---- calibrate --------------------------------------------------------------------------------------------------

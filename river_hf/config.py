@@ -4,6 +4,11 @@ It works two ways:
 - `river_hf.build_river(model, RiverQuantConfig(...))` on a loaded model, or
 - `AutoModelForCausalLM.from_pretrained(path, quantization_config=RiverQuantConfig(...))`, through the quantizer that
   `river_hf.hf_integration` registers with transformers under the method name "river".
+
+Twin precision can vary by depth: `nbits` is one int for every twin, or a *schedule*, one int per river layer
+(`start_layer` .. num_layers - 1, in order), e.g. 8-bit twins for the first river layers and 4-bit after
+(`RiverQuantConfig.schedule(...)` builds one). `quantize_lm_head=True` also gives the LM head a quantized copy that
+only the steps which left the backbone use (river_hf.lm_head).
 """
 
 from __future__ import annotations
@@ -13,19 +18,29 @@ from dataclasses import dataclass, field
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .quantize import BACKENDS, SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS
+from .quantize import BACKENDS, SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS, backend_nbits
 
 RIVER_QUANT_METHOD = "river"
+PER_ROW_NBITS = 8  # schedule entries and LM heads of this many bits are quantized per row (the int8 kernel's layout)
 
 
 @dataclass
 class RiverQuantConfig(QuantizationConfigMixin):
     """Configuration of the exit river: which layers get a quantized twin and how the twins are quantized."""
 
-    nbits: int = field(default=4, metadata={"help": f"Bits per twin weight, one of {SUPPORTED_NBITS}."})
+    nbits: int | list[int] = field(
+        default=4,
+        metadata={"help": f"Bits per twin weight, each one of {SUPPORTED_NBITS}: one int for every twin, or a "
+                  f"schedule, a list with one int per river layer (layers start_layer .. num_layers - 1, in order; "
+                  f"its length must be num_layers - start_layer), e.g. 8 for the first river layers and 4 after. In "
+                  f"a schedule, 8-bit layers are quantized with one group per output row (the int8 kernel's layout, "
+                  f"no warning) and `group_size` applies to the layers of 4 bits or fewer."},
+    )
     group_size: int | None = field(
         default=64,
-        metadata={"help": f"HQQ quantization group size, one of {SUPPORTED_GROUP_SIZES} (None: one group per row)."},
+        metadata={"help": f"HQQ quantization group size, one of {SUPPORTED_GROUP_SIZES} (None: one group per row). "
+                  f"In a schedule it applies to the layers of 4 bits or fewer (8-bit layers are per row); the "
+                  f"quantized LM head uses it when `lm_head_nbits` <= 4."},
     )
     axis: int = field(default=1, metadata={"help": "HQQ quantization axis; only 1 (groups along the input dimension)."})
     start_layer: int = field(
@@ -39,12 +54,33 @@ class RiverQuantConfig(QuantizationConfigMixin):
     )
     backend: str = field(
         default="auto",
-        metadata={"help": f"Twin kernel, one of {BACKENDS}; 'auto' picks the fastest one for the model's device."},
+        metadata={"help": f"Twin kernel, one of {BACKENDS}; 'auto' picks the fastest one for the model's device "
+                  f"(per layer, so a schedule of 8 and 4 bits runs int8pack_cpu and int4pack_cpu on CPU)."},
+    )
+    quantize_lm_head: bool = field(
+        default=False,
+        metadata={"help": "Give the LM head a quantized copy, used only for the logits of steps that left the "
+                  "backbone (tau > 1 and plain generate always use the original head). The original head, tied "
+                  "or not, is never changed; remove_river and save_pretrained give it back."},
+    )
+    lm_head_nbits: int = field(
+        default=8,
+        metadata={"help": f"Bits of the quantized LM head, one of {SUPPORTED_NBITS} (used when quantize_lm_head). "
+                  f"8 bits: one group per output row; fewer bits use `group_size`."},
     )
     quant_method: str = field(default=RIVER_QUANT_METHOD, metadata={"help": "Fixed: 'river'."})
 
     def __post_init__(self):
-        _check_choice("nbits", self.nbits, SUPPORTED_NBITS)
+        if isinstance(self.nbits, (list, tuple)):
+            if not self.nbits:
+                raise ValueError("`nbits` is an empty schedule; give one int per river layer, or a single int.")
+            for index, bits in enumerate(self.nbits):
+                if isinstance(bits, bool) or bits not in SUPPORTED_NBITS:
+                    raise ValueError(f"`nbits`[{index}]={bits!r} is not supported; choose one of {SUPPORTED_NBITS} "
+                                     f"(entry {index} is the twin of river layer start_layer + {index}).")
+            self.nbits = [int(bits) for bits in self.nbits]
+        else:
+            _check_choice("nbits", self.nbits, SUPPORTED_NBITS)
         _check_choice("group_size", self.group_size, SUPPORTED_GROUP_SIZES)
         _check_choice("axis", self.axis, (1,))  # the kernels need groups along the input dimension
         _check_choice("backend", self.backend, BACKENDS)
@@ -57,17 +93,100 @@ class RiverQuantConfig(QuantizationConfigMixin):
         if isinstance(self.skip_modules, str) or not all(isinstance(name, str) for name in self.skip_modules):
             raise ValueError(f"`skip_modules` must be a list of module names; got {self.skip_modules!r}.")
         self.skip_modules = list(self.skip_modules)
+        if not isinstance(self.quantize_lm_head, bool):
+            raise ValueError(f"`quantize_lm_head` must be True or False; got {self.quantize_lm_head!r}.")
+        _check_choice("lm_head_nbits", self.lm_head_nbits, SUPPORTED_NBITS)
+        self._check_backend_runs_every_width()
+
+    def _check_backend_runs_every_width(self) -> None:
+        """An explicit kernel must run every bit width asked of it (a device-independent check; 'auto' picks one
+        kernel per layer)."""
+        supported = backend_nbits(self.backend)
+        widths = [("nbits", bits) for bits in self.schedule_bits()]
+        if self.quantize_lm_head:
+            widths.append(("lm_head_nbits", self.lm_head_nbits))
+        for name, bits in widths:
+            if bits not in supported:
+                raise ValueError(
+                    f"`backend`={self.backend!r} runs only {'/'.join(map(str, supported))}-bit weights, but `{name}` "
+                    f"asks for {bits} bits; use backend='auto' (it picks the kernel per layer) or 'hqq'."
+                )
+
+    @classmethod
+    def schedule(cls, num_layers: int, first_layers: int, first_bits: int = 8, rest_bits: int = 4,
+                 start_layer: int = 1, **kwargs) -> "RiverQuantConfig":
+        """A depth schedule for a model with `num_layers` decoder layers: the first `first_layers` river layers
+        (from `start_layer` on) get `first_bits`-bit twins, the rest `rest_bits`-bit ones. Other fields: kwargs.
+
+            RiverQuantConfig.schedule(num_layers=30, first_layers=8)  # layers 1-8: 8-bit, 9-29: 4-bit
+        """
+        for name, value in (("num_layers", num_layers), ("start_layer", start_layer)):
+            if not _is_int(value):
+                raise ValueError(f"`{name}` must be an integer; got {value!r}.")
+        river_layers = num_layers - start_layer
+        if river_layers < 1:
+            raise ValueError(f"`num_layers`={num_layers} leaves no river layer after `start_layer`={start_layer}.")
+        if not _is_int(first_layers) or not 0 <= first_layers <= river_layers:
+            raise ValueError(f"`first_layers` must be an integer between 0 and {river_layers} (the river layers "
+                             f"{start_layer}..{num_layers - 1}); got {first_layers!r}.")
+        nbits = [first_bits] * first_layers + [rest_bits] * (river_layers - first_layers)
+        return cls(nbits=nbits, start_layer=start_layer, **kwargs)
+
+    @property
+    def is_schedule(self) -> bool:
+        """True when `nbits` is a per-layer list."""
+        return isinstance(self.nbits, list)
+
+    def schedule_bits(self) -> list[int]:
+        """Every bit width the twins use: the schedule, or [nbits]."""
+        return list(self.nbits) if self.is_schedule else [self.nbits]
+
+    def nbits_for(self, layer_idx: int) -> int:
+        """The bits of decoder layer `layer_idx`'s twin (layer_idx >= start_layer)."""
+        if not _is_int(layer_idx) or layer_idx < self.start_layer:
+            raise ValueError(f"layer {layer_idx!r} has no twin: the river starts at `start_layer`={self.start_layer}.")
+        if not self.is_schedule:
+            return self.nbits
+        position = layer_idx - self.start_layer
+        if position >= len(self.nbits):
+            raise ValueError(f"layer {layer_idx} is past the `nbits` schedule, which covers layers "
+                             f"{self.start_layer}..{self.start_layer + len(self.nbits) - 1}.")
+        return self.nbits[position]
+
+    def group_size_for(self, layer_idx: int) -> int | None:
+        """The HQQ group size of layer `layer_idx`'s twin: `group_size`, except per row (None) for the 8-bit
+        layers of a schedule. (A single `nbits=8` passes `group_size` on: the int8 kernel warns that it ignores it.)"""
+        bits = self.nbits_for(layer_idx)
+        return None if self.is_schedule and bits == PER_ROW_NBITS else self.group_size
+
+    @property
+    def lm_head_group_size(self) -> int | None:
+        """The group size of the quantized LM head: per row for 8 bits, else `group_size`."""
+        return None if self.lm_head_nbits == PER_ROW_NBITS else self.group_size
 
     def check_model_depth(self, num_layers: int) -> None:
-        """The river needs at least one twin: start_layer must name an existing layer."""
+        """The river needs at least one twin: start_layer must name an existing layer; a schedule covers exactly the
+        river layers."""
         if self.start_layer >= num_layers:
             raise ValueError(
                 f"`start_layer`={self.start_layer} is out of range: the model has {num_layers} decoder layers, so "
                 f"`start_layer` must be between 1 and {num_layers - 1}."
             )
+        expected = num_layers - self.start_layer
+        if self.is_schedule and len(self.nbits) != expected:
+            raise ValueError(
+                f"`nbits` has {len(self.nbits)} entries, but this model has {expected} river layers (decoder layers "
+                f"{self.start_layer}..{num_layers - 1}: num_layers {num_layers} - start_layer {self.start_layer}); "
+                f"give exactly {expected} entries, entry i being the bits of layer start_layer + i's twin, or one "
+                f"int for all twins."
+            )
 
     def to_dict(self) -> dict:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return {name: _plain(getattr(self, name)) for name in self.__dataclass_fields__}
+
+
+def _plain(value):
+    return list(value) if isinstance(value, (list, tuple)) else value  # a copy: the dict must not alias the config
 
 
 def _is_int(value) -> bool:
@@ -78,3 +197,16 @@ def _check_choice(name: str, value, choices: tuple) -> None:
     # bool is an int subclass: `nbits=True` must not pass as 1.
     if isinstance(value, bool) or value not in choices:
         raise ValueError(f"`{name}`={value!r} is not supported; choose one of {choices}.")
+
+
+def bits_label(nbits) -> str:
+    """For tables and messages: 4 -> '4'; a schedule [8, 8, 4] -> '8x2/4x1' (runs of equal bits)."""
+    if not isinstance(nbits, (list, tuple)):
+        return str(nbits)
+    runs: list[list[int]] = []
+    for bits in nbits:
+        if runs and runs[-1][0] == bits:
+            runs[-1][1] += 1
+        else:
+            runs.append([bits, 1])
+    return "/".join(f"{bits}x{count}" for bits, count in runs)

@@ -16,6 +16,7 @@ from transformers import GenerationConfig
 
 from .cache import RiverCache
 from .layers import backbone_layers, river_layers
+from .lm_head import original_lm_head
 from .router import EXIT_POLICIES, PREFILL_EXITS, ExitRouter, RiverSettings
 from .signals import EXIT_SIGNALS
 from .strategies import KV_STRATEGIES, make_strategy
@@ -172,7 +173,7 @@ class RiverGenerationMixin:
     def save_pretrained(self, *args, **kwargs):
         """Save the backbone's own checkpoint. Twins are never stored: a model loaded with
         `quantization_config=RiverQuantConfig(...)` saves that config, and loading the folder rebuilds them."""
-        with backbone_layers(self):
+        with backbone_layers(self), original_lm_head(self):
             return super().save_pretrained(*args, **kwargs)
 
     def _river_cache(self, settings: RiverSettings, kwargs: dict) -> RiverCache:

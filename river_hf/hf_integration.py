@@ -1,7 +1,8 @@
 """`from_pretrained(..., quantization_config=RiverQuantConfig(...))`: river_hf's quantizer, registered with transformers.
 
-The backbone loads as usual (full precision); once its weights are in, the quantizer builds the river. transformers'
-own `HqqConfig` quantize-on-load is broken in 5.x (no `get_quantize_ops`), so nothing here relies on it.
+The backbone loads as usual (full precision); once its weights are in (and tied: transformers ties the embeddings
+before this hook), the quantizer builds the river, with the config's bit schedule and quantized LM head if any.
+transformers' own `HqqConfig` quantize-on-load is broken in 5.x (no `get_quantize_ops`), so nothing here relies on it.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ class RiverHfQuantizer(HfQuantizer):
         return build_river(model, self.quantization_config)
 
     def is_serializable(self, **kwargs) -> bool:
-        # RiverGenerationMixin.save_pretrained writes the backbone's checkpoint plus this config; loading it rebuilds
-        # the twins (storing them would only duplicate the backbone in another form).
+        # RiverGenerationMixin.save_pretrained writes the backbone's checkpoint (original layers and LM head) plus
+        # this config; loading it rebuilds the twins and the quantized head (storing them would only duplicate the
+        # backbone in another form).
         return True
 
     @property

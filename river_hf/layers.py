@@ -54,7 +54,8 @@ class RiverLayer(nn.Module):
         if self.layer_idx == 0:
             router.begin_step(hidden_states.shape[1], is_first_step=cache.recorded_length == 0)
             strategy.begin_step(cache, router)
-        started = time.perf_counter() if cache.profile else None
+        # profiling covers decode steps only: per-token costs, as the bench reports them
+        started = _clock(hidden_states) if cache.profile and not router.is_prefill else None
         if router.exited:  # the strategy decides what a skipped layer does (the river: its twin)
             output = strategy.run_skipped(self, hidden_states, args, kwargs, cache)
             part = "skipped"
@@ -62,7 +63,7 @@ class RiverLayer(nn.Module):
             output = strategy.run_backbone(self, hidden_states, args, kwargs, cache)
             part = "backbone"
         if started is not None:
-            cache.add_time(part, time.perf_counter() - started)
+            cache.add_time(part, _clock(hidden_states) - started)
         if part == "backbone":
             router.observe(self.layer_idx, hidden_states, _hidden_of(output))
         if self.layer_idx == self.num_layers - 1:
@@ -78,6 +79,13 @@ class RiverLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, twin={'yes' if self.twin is not None else 'no'}"
+
+
+def _clock(tensor: torch.Tensor) -> float:
+    """Wall time for profiling; on CUDA it waits for queued kernels first, so a layer's time is its own."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    return time.perf_counter()
 
 
 def _hidden_of(output) -> torch.Tensor:

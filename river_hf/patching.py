@@ -1,5 +1,6 @@
-"""`build_river(model, cfg)` / `remove_river(model)`: wrap every decoder layer in a `RiverLayer` and put
-`RiverGenerationMixin` in front of the model's class; and undo both exactly.
+"""`build_river(model, cfg)` / `remove_river(model)`: wrap every decoder layer in a `RiverLayer` (and, with
+`quantize_lm_head`, the LM head in a `RiverLMHead`) and put `RiverGenerationMixin` in front of the model's class; and
+undo all of it exactly.
 
 The model object stays the same object (so pipelines, accelerate hooks and user references keep working) and stays
 an instance of its original class: the river class is a subclass with the same name that only adds `generate`.
@@ -7,15 +8,14 @@ an instance of its original class: the river class is a subclass with the same n
 
 from __future__ import annotations
 
-from functools import partial
-
 from torch import nn
 from tqdm.auto import tqdm
 
-from .architectures import find_decoder_layers
+from .architectures import UnsupportedModelError, find_decoder_layers
 from .config import RiverQuantConfig
 from .generation import RiverGenerationMixin
 from .layers import RiverLayer, StepState, make_twin, river_layers  # noqa: F401  (river_layers re-exported)
+from .lm_head import RiverLMHead, install_lm_head, remove_lm_head
 from .quantize import RiverQuantLinear
 
 _RIVER_CLASSES: dict[type, type] = {}
@@ -23,6 +23,10 @@ _RIVER_CLASSES: dict[type, type] = {}
 
 def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, progress: bool = True) -> nn.Module:
     """Give every decoder layer from `start_layer` on a quantized, KV-sharing twin. Returns the same model.
+
+    Each twin gets its layer's bits (`quant_config.nbits_for(idx)`), so with a schedule each layer runs on the kernel
+    for its width (on CPU: int8pack_cpu for 8 bits, int4pack_cpu for 2-4). With `quantize_lm_head`, the LM head also
+    gets a quantized copy that the steps which left the backbone use.
 
     Quantizing takes a few seconds per hundred million parameters on CPU (HQQ's optimizer); a progress bar shows it.
     """
@@ -33,27 +37,53 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
         raise ValueError("This model already has a river; call river_hf.remove_river(model) before building another.")
     layers = find_decoder_layers(model)
     quant_config.check_model_depth(len(layers))
-    quantize = partial(RiverQuantLinear.from_linear, nbits=quant_config.nbits, group_size=quant_config.group_size,
-                       axis=quant_config.axis, backend=quant_config.backend)
-    indices = range(len(layers))
     step_state = StepState()  # one per model: every layer (and a river LM head) sees the same pass
-    for idx in tqdm(indices, desc="river: quantizing twins", disable=not progress, leave=False):
+    # The head first: it fails fast (no output embedding, not a Linear) before the model is touched.
+    lm_head = _quantized_lm_head(model, quant_config, step_state) if quant_config.quantize_lm_head else None
+    for idx in tqdm(range(len(layers)), desc="river: quantizing twins", disable=not progress, leave=False):
         layer = layers[idx]
-        twin = make_twin(layer, quantize, quant_config.skip_modules) if idx >= quant_config.start_layer else None
+        twin = _twin(layer, idx, quant_config) if idx >= quant_config.start_layer else None
         layers[idx] = RiverLayer(layer, twin, layer_idx=idx, num_layers=len(layers), quant_config=quant_config,
                                  step_state=step_state)
+    if lm_head is not None:
+        install_lm_head(model, lm_head)
     model.__class__ = _river_class(type(model))
     return model
 
 
+def _twin(layer: nn.Module, idx: int, quant_config: RiverQuantConfig) -> nn.Module:
+    nbits, group_size = quant_config.nbits_for(idx), quant_config.group_size_for(idx)
+
+    def quantize(linear):
+        return RiverQuantLinear.from_linear(linear, nbits=nbits, group_size=group_size, axis=quant_config.axis,
+                                            backend=quant_config.backend)
+
+    return make_twin(layer, quantize, quant_config.skip_modules)
+
+
+def _quantized_lm_head(model: nn.Module, quant_config: RiverQuantConfig, step_state: StepState) -> RiverLMHead:
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    if head is None or not hasattr(model, "set_output_embeddings"):
+        raise UnsupportedModelError(
+            f"`quantize_lm_head=True`: {type(model).__name__} has no output embedding (get_output_embeddings() "
+            f"returned nothing); build the river with quantize_lm_head=False."
+        )
+    return RiverLMHead.from_head(head, step_state, nbits=quant_config.lm_head_nbits,
+                                 group_size=quant_config.lm_head_group_size, axis=quant_config.axis,
+                                 backend=quant_config.backend)
+
+
 def remove_river(model: nn.Module) -> nn.Module:
-    """Put the backbone layers back and restore the model's class; drops the twins. Returns the same model."""
+    """Put the backbone layers (and the original LM head) back and restore the model's class; drops the twins.
+    Returns the same model."""
     if not is_river(model):
         raise ValueError("This model has no river to remove (river_hf.build_river was not applied to it).")
     layers = find_decoder_layers(model)
     for idx, layer in enumerate(layers):
         if isinstance(layer, RiverLayer):
             layers[idx] = layer.base_layer
+    remove_lm_head(model)
     model.__class__ = model.__class__._river_base_class
     return model
 

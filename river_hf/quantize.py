@@ -10,6 +10,11 @@ W ≈ (W_q - zero) * scale; then one kernel packs those three tensors into its o
 | `tinygemm_cuda` | CUDA   | 2, 3, 4 | `aten._weight_int4pack_mm` (untested here: no GPU on the CI boxes) |
 | `hqq`           | any    | any     | dequantizes the whole weight on every call: the slow reference     |
 
+The backend is resolved per linear layer, so a model whose twins mix widths (a `RiverQuantConfig` bit schedule) runs
+each layer on its own kernel: on CPU, int8pack for the 8-bit layers and int4pack for the others. The int8 kernel
+reads one (scale, zero) per output row: given a group size, a single `from_linear` call warns once and ignores it,
+while a schedule's 8-bit layers are quantized per row to begin with (no warning).
+
 Batch-1 GEMV on a 2-core CPU (examples/bench_kernels.py): at 576x1536 the int4 kernel is 2.5-6x faster than a bf16
 `nn.Linear` (depending on the machine and its neighbours) and int8 1.5-6x, while the 'hqq' path is 5-30x slower.
 """
@@ -210,6 +215,12 @@ def _check_choice(name: str, value, choices: tuple) -> None:
     # bool is an int subclass: `nbits=True` must not pass as 1.
     if isinstance(value, bool) or value not in choices:
         raise ValueError(f"`{name}`={value!r} is not supported; choose one of {choices}.")
+
+
+def backend_nbits(backend: str) -> tuple[int, ...]:
+    """The bit widths `backend` can run (on its device); 'auto' and 'hqq': all of SUPPORTED_NBITS."""
+    _check_choice("backend", backend, BACKENDS)
+    return SUPPORTED_NBITS if backend == "auto" else _KERNELS[backend].nbits
 
 
 def _fast_backend(nbits: int, device: torch.device) -> str | None:

@@ -5,11 +5,15 @@ the first decoder layer opens it (`begin_step`), every backbone layer reports it
 (`observe`), and once the router says `exited`, the remaining layers run on their twins. The step's exit depth
 (how many backbone layers ran) is what the cache records for the step's positions.
 
-- decode steps (one new token per row) use the paper's token-level exit: s = cos(h_in, h_out) of the last layer,
-  and with `exit_policy="batch_min"` the whole batch exits once min over the batch of s > tau;
+- decode steps (one new token per row) use the paper's token-level exit: by default s = cos(h_in, h_out) of the
+  last layer, and with `exit_policy="batch_min"` the whole batch exits once min over the batch of s > tau;
 - prefill steps (several tokens per row) use a sequence-level exit: one switch layer for all prompt tokens,
   chosen from each row's mean similarity over its real (unpadded) tokens, again taking the batch minimum;
   or a fixed layer (`prefill_exit=int`), or none (`prefill_exit="none"`).
+
+What decides is the router's `signal` (`exit_signal`: "cosine", "cosine_first", "update_norm", "random"; see
+`river_hf.signals`). The router keeps the rules every signal obeys: no exit before `min_depth` backbone layers nor
+at the last layer, a forced exit at `depth_cap`, and the fixed prefill exits.
 """
 
 from __future__ import annotations
@@ -17,9 +21,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-EXIT_POLICIES = ("batch_min",)
+from .signals import (  # noqa: F401  (re-exported: the scores and the batch policy were defined here before)
+    EXIT_POLICIES,
+    ExitSignal,
+    batch_passes,
+    make_signal,
+    sequence_similarity,
+    token_similarity,
+)
+
 PREFILL_EXITS = ("sequence", "none")
 
 
@@ -46,30 +57,6 @@ class RiverSettings:
         return self.tau <= -1.0  # "exit as early as allowed": no need to compute a similarity
 
 
-def token_similarity(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
-    """cos(h_in, h_out) of each row's last position. h_*: [B, T, D] -> [B] (float32)."""
-    if h_in.shape[1] != 1:  # decode steps have T == 1: skip the slicing ops, this runs after every layer
-        h_in, h_out = h_in[:, -1:], h_out[:, -1:]
-    # float32: bf16 resolves cosines near 1 only to ~0.004, coarser than the taus that matter (0.97 vs 0.975)
-    return F.cosine_similarity(h_in.float(), h_out.float(), dim=-1).view(-1)
-
-
-def sequence_similarity(h_in: torch.Tensor, h_out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Mean over each row's real positions of cos(h_in, h_out). h_*: [B, T, D], mask: [B, T] (1 = token) -> [B]."""
-    cos = F.cosine_similarity(h_in.float(), h_out.float(), dim=-1)  # [B, T]
-    if mask is None:
-        return cos.mean(dim=-1)
-    weights = mask.to(cos.dtype)
-    return (cos * weights).sum(dim=-1) / weights.sum(dim=-1).clamp(min=1.0)
-
-
-def batch_passes(similarity: torch.Tensor, tau: float, policy: str = "batch_min") -> bool:
-    """The paper's batch policy: the batch exits only when every row's similarity exceeds tau."""
-    if policy != "batch_min":
-        raise ValueError(f"`exit_policy`={policy!r} is not supported; choose one of {EXIT_POLICIES}.")
-    return similarity.min().item() > tau  # .item(): one host read instead of a tensor comparison, then bool()
-
-
 class ExitRouter:
     """Decides, layer by layer, when the current step leaves the backbone for the twins."""
 
@@ -80,9 +67,11 @@ class ExitRouter:
         self.prompt_mask: torch.Tensor | None = None  # [B, T] attention mask of the prompt, for sequence exits
         self.exited = False
         self.depth = num_layers
-        self.min_depth = start_layer  # no exit before this many backbone layers (a KV strategy may raise it)
+        # no exit before this many backbone layers (a KV strategy may raise it; the signal reads it at begin_step)
+        self.min_depth = start_layer
         self.depth_cap: int | None = None  # exit no deeper than this (set per step by "mono_decreasing")
         self._sequence_level = False
+        self.signal: ExitSignal = make_signal(settings, num_layers)  # what decides, inside the rules above
 
     def begin_step(self, num_new_tokens: int, is_first_step: bool) -> None:
         """Open a forward pass. Several new tokens per row (or the first pass) is a prefill: sequence-level exit."""
@@ -90,6 +79,7 @@ class ExitRouter:
         self.exited = False
         self.depth = self.num_layers
         self.depth_cap = None
+        self.signal.begin_step(self._sequence_level, self.min_depth)
 
     @property
     def is_prefill(self) -> bool:
@@ -107,18 +97,10 @@ class ExitRouter:
         fixed = self._fixed_prefill_depth()
         if fixed is not None:
             return depth >= fixed
-        if self.settings.never_exits:
-            return False
-        if self.settings.always_exits:
-            return True
-        if self._sequence_level:
-            similarity = sequence_similarity(h_in, h_out, self._mask_for(h_in))
-        else:
-            similarity = token_similarity(h_in, h_out)
-        return batch_passes(similarity, self.settings.tau, self.settings.exit_policy)
+        return self.signal.decide(depth, h_in, h_out, self._mask_for(h_in) if self._sequence_level else None)
 
     def _fixed_prefill_depth(self) -> int | None:
-        """The exit depth a prefill step is told to use, or None when the similarity decides."""
+        """The exit depth a prefill step is told to use, or None when the signal decides."""
         if not self._sequence_level:
             return None
         prefill_exit = self.settings.prefill_exit
@@ -126,7 +108,7 @@ class ExitRouter:
             return self.num_layers
         if isinstance(prefill_exit, int):
             return max(prefill_exit, self.start_layer)
-        return None  # "sequence": decided by the similarity
+        return None  # "sequence": decided by the signal
 
     def _mask_for(self, h_in: torch.Tensor) -> torch.Tensor | None:
         """The prompt mask, aligned with this step's rows and positions (beam search repeats each row)."""

@@ -1,6 +1,198 @@
-"""Exit signals: what decides, after a backbone layer, that a decoded token may leave for the twins.
+"""Exit signals: what decides, after a backbone layer, that a step may leave the backbone for the twins.
 
-(Being filled in: see issue 5.)
+The `ExitRouter` owns the rules every signal shares: no exit before `min_depth` backbone layers nor at the last
+layer, the forced exit at `depth_cap` (a KV strategy's), and `prefill_exit="none"` / int for the prompt. Inside
+those rules it asks its signal, after each eligible backbone layer (in order, until the step exits):
+`decide(depth, h_in, h_out, mask) -> bool`, where `depth` is the number of backbone layers run, `h_*` are that
+layer's input and output hidden states [B, T, D] and `mask` is the prompt's attention mask on a prefill step
+(None on a decode step). `begin_step(is_prefill, min_depth)` opens each forward pass.
+
+`RiverConfig(exit_signal=...)` picks the signal (`make_signal` builds it from the settings):
+
+- "cosine" (default, the paper's): exit after the first eligible layer where s = cos(h_in, h_out) > tau.
+- "cosine_first" (the paper's other reading): one decision, at depth `signal_layer` (default: the first eligible
+  depth, `min_depth`; a smaller value is lifted to it): exit there if s > tau, else the step never exits. No
+  similarity is computed at any other layer.
+- "update_norm": the relative size of the layer's update, scored as 1 - |h_out - h_in| / |h_in| (higher = more
+  similar, so it exits when score > tau, the same direction as the cosine); checked after every eligible layer.
+- "random": no signal at all, the honest baseline. Each step exits with probability `exit_rate`, at a depth drawn
+  uniformly among the eligible depths [min_depth, num_layers - 1], from a generator seeded with `seed` (one per
+  router, so per `generate` call: a fixed seed repeats the same exits; None is nondeterministic). Every step draws
+  the same two numbers whether it exits or not, so with one seed a higher rate exits a superset of the steps, at
+  the same depths. It reads no hidden state and ignores tau.
+
+Batch: the similarity signals take each row's score and exit only when every row passes (`exit_policy`
+"batch_min", `batch_passes`); "random" draws once per step for the whole batch.
+
+Prefill (a forward pass with several new tokens per row, `prefill_exit="sequence"`): the similarity signals score
+each row by the mean of their per-token score over its real (unpadded) prompt tokens, then decide as above (the
+cosine at every eligible layer, cosine_first at its one depth). "random" draws once for the prefill step, with the
+same rate and depth range as a decode step.
+
+tau extremes, for the similarity signals: tau > 1 never exits and computes no score (neither score exceeds 1, so
+this is exact: the output is the backbone's); tau <= -1 exits at the first depth the signal may exit at, again
+without computing a score (for "update_norm", whose score can fall below -1, this is a definition).
+
+Scores are computed in float32: bf16 resolves cosines near 1 only to ~0.004, coarser than the taus that matter.
+The cosine path runs after every layer of every decoded token, so it stays at one similarity op and one host read
+(`.item()`) per decision.
 """
 
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .router import RiverSettings
+
 EXIT_SIGNALS = ("cosine", "cosine_first", "update_norm", "random")
+EXIT_POLICIES = ("batch_min",)
+
+
+# ---- per-row scores ([B, T, D] hidden states -> [B] float32) ----------------------------------------------------
+def token_similarity(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
+    """cos(h_in, h_out) of each row's last position. h_*: [B, T, D] -> [B] (float32)."""
+    if h_in.shape[1] != 1:  # decode steps have T == 1: skip the slicing ops, this runs after every layer
+        h_in, h_out = h_in[:, -1:], h_out[:, -1:]
+    return F.cosine_similarity(h_in.float(), h_out.float(), dim=-1).view(-1)
+
+
+def sequence_similarity(h_in: torch.Tensor, h_out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over each row's real positions of cos(h_in, h_out). h_*: [B, T, D], mask: [B, T] (1 = token) -> [B]."""
+    return mean_over_tokens(F.cosine_similarity(h_in.float(), h_out.float(), dim=-1), mask)
+
+
+def update_norm_score(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
+    """1 - |h_out - h_in| / |h_in| per position (float32): 1 = no update, 0 = an update as large as h_in. [B, T]."""
+    h_in = h_in.float()
+    update = torch.linalg.vector_norm(h_out.float() - h_in, dim=-1)
+    return 1.0 - update / torch.linalg.vector_norm(h_in, dim=-1).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def token_update_norm(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
+    """`update_norm_score` of each row's last position -> [B]."""
+    if h_in.shape[1] != 1:
+        h_in, h_out = h_in[:, -1:], h_out[:, -1:]
+    return update_norm_score(h_in, h_out).view(-1)
+
+
+def sequence_update_norm(h_in: torch.Tensor, h_out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over each row's real positions of `update_norm_score` -> [B]."""
+    return mean_over_tokens(update_norm_score(h_in, h_out), mask)
+
+
+def mean_over_tokens(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean of per-position scores [B, T] over each row's real positions (mask [B, T], 1 = token) -> [B]."""
+    if mask is None:
+        return scores.mean(dim=-1)
+    weights = mask.to(scores.dtype)
+    return (scores * weights).sum(dim=-1) / weights.sum(dim=-1).clamp(min=1.0)
+
+
+def batch_passes(similarity: torch.Tensor, tau: float, policy: str = "batch_min") -> bool:
+    """The paper's batch policy: the batch exits only when every row's similarity exceeds tau."""
+    if policy != "batch_min":
+        raise ValueError(f"`exit_policy`={policy!r} is not supported; choose one of {EXIT_POLICIES}.")
+    return similarity.min().item() > tau  # .item(): one host read instead of a tensor comparison, then bool()
+
+
+# ---- signals -----------------------------------------------------------------------------------------------------
+class ExitSignal:
+    """Decides, after an eligible backbone layer, whether the step leaves for the twins. One per router."""
+
+    def begin_step(self, is_prefill: bool, min_depth: int) -> None:
+        """A forward pass starts: a prefill (several tokens per row) or a decode step; no exit before min_depth."""
+
+    def decide(self, depth: int, h_in: torch.Tensor, h_out: torch.Tensor, mask: torch.Tensor | None) -> bool:
+        """After `depth` backbone layers: exit now? Called only at eligible depths, in order, until it says yes."""
+        raise NotImplementedError
+
+
+class ThresholdSignal(ExitSignal):
+    """A per-row score above tau in every row of the batch, checked after every eligible layer."""
+
+    token_score = staticmethod(token_similarity)  # decode: [B, T, D] x2 -> [B]
+    sequence_score = staticmethod(sequence_similarity)  # prefill: the mean over the real prompt tokens
+
+    def __init__(self, tau: float, policy: str = "batch_min"):
+        self.tau = tau
+        self.policy = policy
+        self.is_prefill = False
+
+    def begin_step(self, is_prefill: bool, min_depth: int) -> None:
+        self.is_prefill = is_prefill
+
+    def decide(self, depth, h_in, h_out, mask) -> bool:
+        if self.tau > 1.0:  # no score exceeds 1: never exits, and computes nothing
+            return False
+        if self.tau <= -1.0:  # exit as early as allowed
+            return True
+        score = self.sequence_score(h_in, h_out, mask) if self.is_prefill else self.token_score(h_in, h_out)
+        return batch_passes(score, self.tau, self.policy)
+
+
+class Cosine(ThresholdSignal):
+    """The paper's signal: cos(h_in, h_out) > tau after every eligible layer."""
+
+
+class UpdateNorm(ThresholdSignal):
+    """1 - |h_out - h_in| / |h_in| > tau after every eligible layer: the layer barely changed the hidden state."""
+
+    token_score = staticmethod(token_update_norm)
+    sequence_score = staticmethod(sequence_update_norm)
+
+
+class CosineAtOneLayer(Cosine):
+    """cos(h_in, h_out) > tau checked once, at depth `signal_layer` (None: the first eligible depth); a step that
+    fails there stays on the backbone to the end."""
+
+    def __init__(self, tau: float, policy: str = "batch_min", signal_layer: int | None = None):
+        super().__init__(tau, policy)
+        self.signal_layer = signal_layer
+        self.decision_depth = signal_layer
+
+    def begin_step(self, is_prefill: bool, min_depth: int) -> None:
+        self.is_prefill = is_prefill
+        self.decision_depth = min_depth if self.signal_layer is None else max(self.signal_layer, min_depth)
+
+    def decide(self, depth, h_in, h_out, mask) -> bool:
+        return depth == self.decision_depth and super().decide(depth, h_in, h_out, mask)
+
+
+class RandomExit(ExitSignal):
+    """No signal: each step exits with probability `exit_rate`, at a uniformly drawn eligible depth."""
+
+    def __init__(self, exit_rate: float, num_layers: int, seed: int | None = None):
+        self.exit_rate = float(exit_rate)
+        self.num_layers = num_layers
+        self.rng = random.Random(seed)  # private: generate's own sampling (torch's RNG) is left alone
+        self.drawn_depth: int | None = None  # this step's exit depth; None: it stays on the backbone
+
+    def begin_step(self, is_prefill: bool, min_depth: int) -> None:
+        exits = self.rng.random() < self.exit_rate
+        low = max(min_depth, 1)
+        depth = self.rng.randint(low, self.num_layers - 1) if low < self.num_layers else None
+        self.drawn_depth = depth if exits else None
+
+    def decide(self, depth, h_in, h_out, mask) -> bool:
+        return self.drawn_depth is not None and depth >= self.drawn_depth
+
+
+def make_signal(settings: RiverSettings, num_layers: int) -> ExitSignal:
+    """The exit signal `settings.exit_signal` names, for a model of `num_layers` decoder layers."""
+    name = getattr(settings, "exit_signal", "cosine")
+    if name == "cosine":
+        return Cosine(settings.tau, settings.exit_policy)
+    if name == "cosine_first":
+        return CosineAtOneLayer(settings.tau, settings.exit_policy, settings.signal_layer)
+    if name == "update_norm":
+        return UpdateNorm(settings.tau, settings.exit_policy)
+    if name == "random":
+        if settings.exit_rate is None:
+            raise ValueError("`exit_signal`='random' needs `exit_rate`: the probability (0 to 1) that a token exits.")
+        return RandomExit(settings.exit_rate, num_layers, settings.seed)
+    raise ValueError(f"`exit_signal`={name!r} is not supported; choose one of {EXIT_SIGNALS}.")

@@ -14,7 +14,7 @@ import torch
 import river_hf
 from river_hf.bench import prompts as bench_prompts
 from river_hf.bench.plots import pareto_front
-from river_hf.bench.run import FULL, QUICK, SCHEMA, BenchSettings, river_taus
+from river_hf.bench.run import FULL, QUICK, SCHEMA, BenchSettings, river_taus, versus_random
 from river_hf.bench.systems import SMOLLM2_TAUS, default_taus, static_full_quant, weight_bytes
 from river_hf.cli import build_parser, main
 from river_hf.models import build_chat_inputs, load_model_and_tokenizer
@@ -44,7 +44,23 @@ def bench_run(tmp_path_factory):
     with contextlib.redirect_stdout(stdout):  # (capsys is function-scoped)
         code = main(["bench", "--model", model_dir, "--data", data, "--taus", "-1", "0.8", "1.5", "--prompts",
                      str(PROMPTS), "--rounds", str(ROUNDS), "--max-new-tokens", str(TOKENS), "--fidelity-prompts",
-                     "2", "--fidelity-tokens", "5", "--output", str(output)])
+                     "2", "--fidelity-tokens", "5", "--exit-rates", "0.5", "--signals", "update_norm",
+                     "--signal-taus", "0.5", "--output", str(output)])
+    assert code == 0
+    return json.loads(output.read_text()), stdout.getvalue(), output
+
+
+@pytest.fixture(scope="module")
+def strategy_run(tmp_path_factory):
+    """(record, stdout, output path) of `river-hf bench --strategies all` on a tiny Llama."""
+    root = tmp_path_factory.mktemp("strategies")
+    model_dir = save_tiny_model(root / "tiny-llama", num_layers=NUM_LAYERS)
+    output = root / "strategies.json"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["bench", "--model", model_dir, "--data", write_questions(root / "q.jsonl"), "--strategies", "all",
+                     "--strategy-taus", "0.5", "-1", "--prompts", "1", "--rounds", "1", "--max-new-tokens", str(TOKENS),
+                     "--fidelity-prompts", "1", "--fidelity-tokens", "5", "--output", str(output)])
     assert code == 0
     return json.loads(output.read_text()), stdout.getvalue(), output
 
@@ -59,8 +75,9 @@ def test_record_schema(bench_run):
     assert record["schema"] == SCHEMA
     assert {"created", "arguments", "model", "prompts", "environment", "settings", "twins", "systems", "memory",
             "target"} <= set(record)
-    assert record["twins"] == {"nbits": 4, "group_size": 64, "start_layer": 1, "skip_modules": [],
-                               "backend": "auto", "kernels": ["int4pack_cpu"], "num_layers": NUM_LAYERS}
+    assert record["twins"] == {"nbits": 4, "group_size": 64, "start_layer": 1, "quantize_lm_head": False,
+                               "lm_head_nbits": 8, "skip_modules": [], "backend": "auto", "kernels": ["int4pack_cpu"],
+                               "num_layers": NUM_LAYERS}
     assert record["settings"]["taus"] == [0.8, 1.5]  # -1 is full-quant, measured anyway
     assert record["prompts"]["texts"] == QUESTIONS[:2]
     env = record["environment"]
@@ -69,7 +86,8 @@ def test_record_schema(bench_run):
     assert memory["backbone_weight_bytes"] > memory["twin_weight_bytes"] > 0
     assert memory["process_peak_rss_bytes"] >= memory["process_peak_rss_after_build_bytes"] > 0
     names = [system["name"] for system in record["systems"]]
-    assert names == ["backbone", "full-quant", "static-full-quant", "tau=0.8", "tau=1.5"]
+    assert names == ["backbone", "full-quant", "static-full-quant", "tau=0.8", "tau=1.5", "update_norm tau=0.5",
+                     "random p=0.5"]
 
 
 def test_every_run_is_recorded_raw(bench_run):
@@ -81,7 +99,7 @@ def test_every_run_is_recorded_raw(bench_run):
         for run in runs:
             assert run["new_tokens"] == TOKENS == len(run["token_times_s"]) == len(run["token_ids"])
             assert run["token_times_s"] == sorted(run["token_times_s"])
-        river = system["kind"] in ("full-quant", "river")
+        river = system["kind"] in ("full-quant", "river", "random")
         assert (system["summary"]["exit_depth_histogram"] is not None) == river
         if river:  # one depth per decoded position: every new token but the last passed through the model
             histogram = system["summary"]["exit_depth_histogram"]
@@ -135,6 +153,51 @@ def test_table_names_the_twins_and_every_system(bench_run):
                   "| river tau=0.8 |", "| river tau=1.5 |"):
         assert label in out
     assert "runs at" in out and "the static full-quant model" in out
+    assert "| random routing p=0.5 |" in out and "| river tau=0.5 (update_norm) |" in out
+    assert "against random routing at equal speed" in out and "- cosine:" in out and "- update_norm:" in out
+
+
+def test_random_routing_exits_and_is_compared(bench_run):
+    record, _, _ = bench_run
+    random_system = systems_by_name(record)["random p=0.5"]
+    histogram = random_system["summary"]["exit_depth_histogram"]
+    exited = sum(n for depth, n in histogram.items() if int(depth) < NUM_LAYERS)
+    assert 0 < exited < sum(histogram.values())  # some tokens exit, some do not
+    assert set(record["versus_random"]) == {"cosine", "update_norm"}
+    assert record["versus_random"]["cosine"]["points"] == 2
+
+
+def test_versus_random_interpolates_the_random_curve_at_equal_speed():
+    def system(kind, speed, match, signal="cosine"):
+        return {"kind": kind, "signal": signal, "strategy": None, "summary": {"speed_ratio": speed},
+                "fidelity": {"match": match}}
+
+    systems = [system("random", 1.5, 0.80, "random"), system("random", 2.0, 0.60, "random"),
+               system("river", 1.25, 0.95), system("river", 1.75, 0.60), system("river", 3.0, 0.70)]
+    comparison = versus_random(systems)["cosine"]
+    # the curve runs (1.0, 100%) -> (1.5, 80%) -> (2.0, 60%); beyond its fastest point it stays at 60%
+    assert comparison["delta"] == pytest.approx([0.95 - 0.90, 0.60 - 0.70, 0.70 - 0.60])
+    assert comparison["beats"] == 2 and comparison["points"] == 3
+    assert versus_random([system("river", 1.2, 0.9)]) == {}  # no random systems: nothing to compare with
+
+
+def test_strategy_bench_reports_every_strategy_at_two_taus(strategy_run):
+    record, out, output = strategy_run
+    names = [system["name"] for system in record["systems"]]
+    strategies = ["river", "recompute", "state_propagation", "mask", "mono_decreasing"]
+    assert names == ["backbone"] + [f"{s} tau={t:g}" for s in strategies for t in (0.5, -1)]
+    for system in record["systems"][1:]:
+        summary = system["summary"]
+        assert summary["backbone_ms_per_token"] > 0 and summary["skipped_ms_per_token"] >= 0
+        assert summary["backbone_ms_per_token"] + summary["skipped_ms_per_token"] < summary["ms_per_token"]
+        assert system["fidelity"]["measured"]
+    systems = systems_by_name(record)
+    # tau=-1 exits as early as each strategy allows: at the start layer, or half the layers for mask
+    assert systems["river tau=-1"]["summary"]["mean_exit_depth"] == 1
+    assert systems["mask tau=-1"]["summary"]["mean_exit_depth"] == NUM_LAYERS // 2
+    assert "| strategy | tau | mean exit depth" in out and "| recompute | -1 |" in out
+    path = output.with_name(output.stem + "-strategies.png")
+    assert path.read_bytes().startswith(PNG_SIGNATURE) and str(path) in out
 
 
 def test_plots_are_png_files(bench_run):
@@ -179,6 +242,14 @@ def test_default_taus(saved_tiny_model):
 
 def test_river_taus_drop_full_quant_and_duplicates():
     assert river_taus([0.99, -1, 0.97, 0.99, -2]) == [0.97, 0.99]
+
+
+def test_twin_schedule_and_quantized_head_options():
+    from river_hf.cli import _twin_config
+
+    args = build_parser().parse_args(["bench", "--nbits", "8*2,4*3", "--quantize-lm-head", "--lm-head-nbits", "4"])
+    config = _twin_config(args)
+    assert config.nbits == [8, 8, 4, 4, 4] and config.quantize_lm_head and config.lm_head_nbits == 4
 
 
 def test_quick_preset_and_overrides():
@@ -239,6 +310,11 @@ def test_bad_prompt_files(tmp_path, lines, message):
     (["--nbits", "5"], "`nbits`=5 is not supported"),
     (["--prompts", "0"], "--prompts: must be >= 1"),
     (["--data", "x.jsonl", "--dataset", "openai/gsm8k"], "either `--data`"),
+    (["--strategies", "skip"], "invalid choice: 'skip'"),
+    (["--exit-rates", "1.5"], "must be a probability between 0 and 1"),
+    (["--signals", "random"], "invalid choice: 'random'"),
+    (["--nbits", "8*x"], "expected bits (e.g. 4) or a schedule"),
+    (["--nbits", "8*2,5"], "`nbits`[2]=5 is not supported"),
 ])
 def test_bad_bench_arguments(args, message, capsys):
     with pytest.raises(SystemExit) as info:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -22,6 +23,10 @@ from river_hf import RiverConfig, RiverQuantConfig
         ({"start_layer": 0}, "start_layer"),
         ({"start_layer": 1.5}, "start_layer"),
         ({"skip_modules": "down_proj"}, "skip_modules"),
+        ({"nbits": []}, "nbits"),
+        ({"quantize_lm_head": 1}, "quantize_lm_head"),
+        ({"lm_head_nbits": 6}, "lm_head_nbits"),
+        ({"lm_head_nbits": True}, "lm_head_nbits"),
     ],
 )
 def test_quant_config_rejects_bad_values_naming_the_field(kwargs, field):
@@ -35,6 +40,36 @@ def test_quant_config_round_trips_through_dict_and_json(tmp_path):
     path = tmp_path / "quant.json"
     config.to_json_file(path)
     assert '"quant_method": "river"' in path.read_text()
+
+
+@pytest.mark.parametrize("nbits, index, value", [([4, 5], 1, "5"), ([8, 4, True], 2, "True"), ((6,), 0, "6")])
+def test_schedule_entries_are_validated_naming_the_index_and_the_choices(nbits, index, value):
+    with pytest.raises(ValueError, match=rf"`nbits`\[{index}\]={value} is not supported; choose one of \(2, 3, 4, 8\)"):
+        RiverQuantConfig(nbits=nbits)
+
+
+def test_an_explicit_backend_must_run_every_width_asked_of_it():
+    with pytest.raises(ValueError, match="`backend`='int4pack_cpu' runs only 2/3/4-bit weights, but `nbits` asks for"):
+        RiverQuantConfig(nbits=[8, 4], backend="int4pack_cpu")
+    with pytest.raises(ValueError, match="`backend`='int8pack_cpu'.*`lm_head_nbits` asks for 4"):
+        RiverQuantConfig(nbits=8, backend="int8pack_cpu", quantize_lm_head=True, lm_head_nbits=4)
+    RiverQuantConfig(nbits=8, backend="int8pack_cpu", lm_head_nbits=4)  # the head is not quantized: nothing to run
+    RiverQuantConfig(nbits=[8, 4, 2], backend="hqq", quantize_lm_head=True)
+
+
+def test_schedule_and_lm_head_round_trip_through_dict_and_json(tmp_path):
+    config = RiverQuantConfig(nbits=(8, 8, 4), start_layer=2, quantize_lm_head=True, lm_head_nbits=4)
+    assert config.nbits == [8, 8, 4] and config.is_schedule  # a tuple is stored as a list (JSON has no tuples)
+    as_dict = config.to_dict()
+    as_dict["nbits"].append(2)  # the dict is a copy
+    assert config.nbits == [8, 8, 4]
+    assert RiverQuantConfig.from_dict(config.to_dict()) == config
+    path = tmp_path / "quant.json"
+    config.to_json_file(path)
+    loaded = json.loads(path.read_text())
+    assert loaded["nbits"] == [8, 8, 4] and loaded["quantize_lm_head"] is True and loaded["lm_head_nbits"] == 4
+    assert RiverQuantConfig.from_dict(loaded) == config
+    assert not RiverQuantConfig().quantize_lm_head and RiverQuantConfig().lm_head_nbits == 8  # defaults
 
 
 @pytest.mark.parametrize("tau", ["abc", None, True, math.nan, [0.5]])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from river_hf.router import ExitRouter, RiverSettings, batch_passes, sequence_similarity, token_similarity
+from river_hf.signals import Cosine, CosineAtOneLayer, RandomExit, UpdateNorm
 
 
 def states_with_cosines(cosines: list[float], dim: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,3 +76,21 @@ def test_prefill_uses_the_fixed_or_no_exit():
     router = ExitRouter(RiverSettings(tau=0.5, prefill_exit="none"), 1, 4)
     assert run_step(router, [[0.9]] * 4, 5, first=True) == 4
     assert run_step(router, [[0.9]] * 4) == 1
+
+
+def test_the_router_asks_the_signal_its_settings_name():
+    kinds = {"cosine": Cosine, "cosine_first": CosineAtOneLayer, "update_norm": UpdateNorm, "random": RandomExit}
+    assert type(ExitRouter(RiverSettings(tau=0.9), 1, 4).signal) is Cosine  # the paper's, by default
+    for name, kind in kinds.items():
+        settings = RiverSettings(tau=0.9, exit_signal=name, exit_rate=0.5, seed=0)
+        assert type(ExitRouter(settings, 1, 4).signal) is kind
+
+
+def test_a_cosine_decision_reads_the_host_once(monkeypatch):
+    """The cosine runs after every layer of every decoded token: one host read (`.item()`) per decision."""
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(1) or item(self))
+    router = ExitRouter(RiverSettings(tau=0.9), start_layer=1, num_layers=5)
+    assert run_step(router, [[0.1, 0.2], [0.95, 0.5], [0.95, 0.93], [0.99, 0.99]]) == 3
+    assert len(reads) == 3  # depths 1, 2, 3

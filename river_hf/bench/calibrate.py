@@ -115,8 +115,9 @@ def calibration_key(model: str, quant_config: RiverQuantConfig, device: str) -> 
     """Model + everything that changes the twins' numerics (the kernel follows from backend and device)."""
     skip = ",".join(quant_config.skip_modules) or "-"
     device_type = str(device).split(":")[0]  # cuda:0 and cuda:1 run the same kernels
+    head = f" lm_head={quant_config.lm_head_nbits}" if quant_config.quantize_lm_head else ""
     return (f"{model} | nbits={quant_config.nbits} group_size={quant_config.group_size} "
-            f"start_layer={quant_config.start_layer} skip={skip} backend={quant_config.backend} | {device_type}")
+            f"start_layer={quant_config.start_layer} skip={skip} backend={quant_config.backend}{head} | {device_type}")
 
 
 def load_calibrations(path: Path | None = None) -> dict:

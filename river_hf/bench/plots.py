@@ -13,15 +13,23 @@ from matplotlib.ticker import MaxNLocator, PercentFormatter
 
 from .systems import twin_label
 
-COLORS = {"backbone": "black", "full-quant": "tab:red", "static-full-quant": "tab:orange", "river": "tab:blue"}
-MARKERS = {"backbone": "s", "full-quant": "D", "static-full-quant": "x", "river": "o"}
+COLORS = {"backbone": "black", "full-quant": "tab:red", "static-full-quant": "tab:orange", "river": "tab:blue",
+          "random": "0.45"}
+MARKERS = {"backbone": "s", "full-quant": "D", "static-full-quant": "x", "river": "o", "random": "v"}
+SIGNAL_COLORS = {"cosine": "tab:blue", "cosine_first": "tab:green", "update_norm": "tab:purple"}
+STRATEGY_COLORS = {"river": "tab:blue", "recompute": "tab:orange", "state_propagation": "tab:green",
+                   "mask": "tab:red", "mono_decreasing": "tab:purple"}
 
 
 def write_plots(record: dict, json_path: str | Path) -> list[Path]:
-    """Both figures next to the JSON record: <name>-pareto.png and <name>-exit-depths.png."""
+    """The figures next to the JSON record: <name>-pareto.png (or <name>-strategies.png for a KV-strategy run) and
+    <name>-exit-depths.png."""
     stem = Path(json_path).with_suffix("")
-    paths = [Path(f"{stem}-pareto.png"), Path(f"{stem}-exit-depths.png")]
-    save(pareto_figure(record), paths[0])
+    is_strategy_run = any(system["kind"] == "strategy" for system in record["systems"])
+    first = (Path(f"{stem}-strategies.png"), strategy_figure) if is_strategy_run else (Path(f"{stem}-pareto.png"),
+                                                                                        pareto_figure)
+    paths = [first[0], Path(f"{stem}-exit-depths.png")]
+    save(first[1](record), paths[0])
     save(exit_depth_figure(record), paths[1])
     return paths
 
@@ -44,13 +52,20 @@ def pareto_figure(record: dict) -> Figure:
     points = [(s["fidelity"]["match"], s["summary"]["speed_ratio"]) for s in systems]
     front = pareto_front(points)
     ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="0.7", zorder=1, label="Pareto front")
+    _random_curve(ax, systems)
+    labelled = set()
     for system, (match, ratio) in zip(systems, points):
-        kind = system["kind"]
-        ax.scatter(match, ratio, color=COLORS[kind], marker=MARKERS[kind], zorder=2, s=40,
-                   label=kind if kind != "river" or system is _first_river(systems) else None)
+        kind, label = system["kind"], _legend_label(system)
+        color = SIGNAL_COLORS.get(system.get("signal"), COLORS[kind]) if kind == "river" else COLORS[kind]
+        ax.scatter(match, ratio, color=color, marker=MARKERS[kind], zorder=2, s=40,
+                   label=None if label in labelled else label)
+        labelled.add(label)
         if kind in ("river", "full-quant"):
             ax.annotate(f"τ={system['tau']:g}", (match, ratio), textcoords="offset points", xytext=(5, 4),
-                        fontsize=8)
+                        fontsize=7)
+        elif kind == "random":
+            ax.annotate(f"p={system['exit_rate']:g}", (match, ratio), textcoords="offset points", xytext=(5, -9),
+                        fontsize=7, color=COLORS["random"])
     ax.axhline(1.0, color="0.85", linewidth=0.8, zorder=0)
     ax.set_xlabel("teacher-forced next-token match vs backbone")
     ax.set_ylabel("decode speed / backbone")
@@ -60,13 +75,55 @@ def pareto_figure(record: dict) -> Figure:
     return figure
 
 
-def _first_river(systems: list[dict]):
-    return next((s for s in systems if s["kind"] == "river"), None)
+def _legend_label(system: dict) -> str:
+    if system["kind"] == "river":
+        return f"river ({system.get('signal') or 'cosine'})"
+    return "random routing" if system["kind"] == "random" else system["kind"]
+
+
+def _random_curve(ax, systems: list[dict]) -> None:
+    """The blind-mixing baseline as a line from the backbone through the random-routing points, by speed."""
+    points = sorted([(s["summary"]["speed_ratio"], s["fidelity"]["match"]) for s in systems if s["kind"] == "random"])
+    if points:
+        points = [(1.0, 1.0), *points]
+        ax.plot([p[1] for p in points], [p[0] for p in points], color=COLORS["random"], linestyle="--",
+                linewidth=1, zorder=1)
+
+
+def strategy_figure(record: dict) -> Figure:
+    """The paper's Fig. 3: per KV strategy and threshold, decode ms/token split into backbone layers, skipped-layer
+    work (twins, K/V projections, placeholders) and the rest (embedding, LM head, sampling, Python), with the
+    backbone's own time as a line; the mean exit depth and the match rate on each bar."""
+    systems = [s for s in record["systems"] if s["kind"] == "strategy"]
+    backbone = next(s for s in record["systems"] if s["kind"] == "backbone")
+    figure = Figure(figsize=(max(6.0, 1.1 * len(systems) + 1.5), 4.8), dpi=110)
+    ax = figure.add_subplot()
+    xs = range(len(systems))
+    parts = [(s["summary"]["backbone_ms_per_token"] or 0.0, s["summary"]["skipped_ms_per_token"] or 0.0,
+              s["summary"]["ms_per_token"]) for s in systems]
+    colors = [STRATEGY_COLORS.get(s["strategy"], "tab:gray") for s in systems]
+    ax.bar(xs, [p[0] for p in parts], color=colors, label="backbone layers")
+    ax.bar(xs, [p[1] for p in parts], bottom=[p[0] for p in parts], color=colors, alpha=0.45, hatch="//",
+           label="skipped layers (twin / K-V work)")
+    ax.bar(xs, [max(p[2] - p[0] - p[1], 0.0) for p in parts], bottom=[p[0] + p[1] for p in parts], color="0.85",
+           label="rest (head, sampling, Python)")
+    ax.axhline(backbone["summary"]["ms_per_token"], color="black", linestyle="--", linewidth=1,
+               label=f"backbone {backbone['summary']['ms_per_token']:.1f} ms/token")
+    for x, system, (_, _, total) in zip(xs, systems, parts):
+        ax.annotate(f"depth {system['summary']['mean_exit_depth']:.1f}\n{system['fidelity']['match']:.0%}",
+                    (x, total), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
+    ax.set_xticks(list(xs), [f"{s['strategy']}\nτ={s['tau']:g}" for s in systems], fontsize=7)
+    ax.set_ylabel("decode ms / token")
+    ax.set_ylim(0, max(p[2] for p in parts) * 1.25)
+    ax.legend(fontsize=7, loc="upper left")
+    _title(figure, record, "KV strategies: where the decode time goes (label: mean exit depth, next-token match)")
+    return figure
 
 
 def exit_depth_figure(record: dict) -> Figure:
     """One panel per river system (full-quant first): the share of decoded positions at each exit depth."""
-    rivers = [s for s in record["systems"] if s["summary"]["exit_depth_histogram"] is not None]
+    rivers = [s for s in record["systems"] if s["summary"]["exit_depth_histogram"] is not None
+              and s["kind"] != "random" and s.get("signal") in (None, "cosine")]
     num_layers = record["twins"]["num_layers"]
     figure = Figure(figsize=(7, 1.2 + 1.3 * max(len(rivers), 1)), dpi=110)
     axes = figure.subplots(max(len(rivers), 1), 1, sharex=True, squeeze=False)[:, 0]
@@ -74,9 +131,9 @@ def exit_depth_figure(record: dict) -> Figure:
         counts = {int(depth): n for depth, n in system["summary"]["exit_depth_histogram"].items()}
         total = sum(counts.values()) or 1
         depths = range(1, num_layers + 1)
-        ax.bar(depths, [counts.get(d, 0) / total for d in depths], color=COLORS[system["kind"]], width=0.8)
+        ax.bar(depths, [counts.get(d, 0) / total for d in depths], color=COLORS.get(system["kind"], STRATEGY_COLORS.get(system.get("strategy"), "tab:gray")), width=0.8)
         ax.set_ylim(0, 1)
-        name = "full-quant\n" if system["kind"] == "full-quant" else ""
+        name = {"full-quant": "full-quant\n", "strategy": f"{system.get('strategy')}\n"}.get(system["kind"], "")
         ax.set_ylabel(f"{name}τ={system['tau']:g}\nmean {system['summary']['mean_exit_depth']:.1f}", rotation=0,
                       ha="right", va="center", fontsize=8)
         ax.set_xlim(0.3, num_layers + 0.7)

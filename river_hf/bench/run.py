@@ -24,17 +24,18 @@ from pathlib import Path
 import torch
 import transformers
 from tqdm.auto import tqdm
-from transformers import GenerationConfig
 
-from ..generation import RiverConfig
-from ..router import RiverSettings
 from .fidelity import Fidelity, backbone_references, measure_fidelity
 from .speed import Timing, interleaved, median_rate
 from .systems import (
     BACKBONE,
     FULL_QUANT,
     STATIC_FULL_QUANT,
-    river_name,
+    System,
+    fixed_length,
+    random_systems,
+    reference_systems,
+    signal_systems,
     static_full_quant,
     twin_description,
     twin_label,
@@ -64,34 +65,45 @@ FULL = BenchSettings()
 QUICK = BenchSettings(prompts=2, rounds=1, max_new_tokens=64, fidelity_prompts=3, fidelity_tokens=32)
 
 
-def run_bench(model, prompt_inputs: list[dict], settings: BenchSettings, taus: list[float]) -> dict:
+def run_bench(model, prompt_inputs: list[dict], settings: BenchSettings, systems: list[System]) -> dict:
     """Measure every system; `prompt_inputs` are chat inputs ({input_ids, attention_mask}, [1, T] each) for
     max(settings.prompts, settings.fidelity_prompts) prompts. Returns {"settings", "twins", "systems", "memory"}."""
     rss_built = peak_rss_bytes()  # the river is built; nothing measured yet
-    static, taus = static_full_quant(model), river_taus(taus)
     speed_prompts = prompt_inputs[:settings.prompts]
-    timings = measure_speed(model, static, system_configs(settings, taus), speed_prompts, settings.rounds)
-    fidelity = measure_all_fidelity(model, static, prompt_inputs[:settings.fidelity_prompts],
-                                    settings.fidelity_tokens, taus)
+    timings = measure_speed(model, systems, speed_prompts, settings.rounds)
+    fidelity = measure_all_fidelity(model, systems, prompt_inputs[:settings.fidelity_prompts], settings.fidelity_tokens)
     twins = twin_description(model)
+    taus = [system.tau for system in systems if system.kind == "river" and system.signal == "cosine"]
     return {"settings": {**asdict(settings), "taus": taus, "batch_size": 1, "warmup_passes": 1},
-            "twins": twins, "systems": system_records(timings, fidelity, twins, taus, len(speed_prompts)),
+            "twins": twins, "systems": system_records(systems, timings, fidelity, twins, len(speed_prompts)),
             "memory": memory_report(model, rss_built)}
 
 
-def measure_speed(model, static, configs: dict, prompts: list[dict], rounds: int) -> dict[str, list[Timing]]:
+def sweep_systems(model, settings: BenchSettings, taus: list[float], signals: dict[str, list[float]] | None = None,
+                  exit_rates: list[float] = (), seed: int = 0, signal_layer: int | None = None) -> list[System]:
+    """The default bench: backbone, full-quant, static full-quant, the cosine river at each tau; then any other
+    signal's taus and the random-routing baseline at each exit rate."""
+    fixed = fixed_length(settings.max_new_tokens)
+    systems = reference_systems(static_full_quant(model), fixed) + signal_systems("cosine", river_taus(taus), fixed)
+    for signal, signal_taus in (signals or {}).items():
+        systems += signal_systems(signal, river_taus(signal_taus), fixed, signal_layer)
+    return systems + random_systems(list(exit_rates), seed, fixed)
+
+
+def measure_speed(model, systems: list[System], prompts: list[dict], rounds: int) -> dict[str, list[Timing]]:
+    configs = {system.name: system.config for system in systems}
+    models = {system.name: system.model for system in systems if system.model is not None}
     with tqdm(total=len(configs) * len(prompts) * rounds, desc="speed (interleaved)", file=sys.stderr) as bar:
-        return interleaved(model, configs, prompts, rounds, progress=bar.update, models={STATIC_FULL_QUANT: static})
+        return interleaved(model, configs, prompts, rounds, progress=bar.update, models=models, profile=True)
 
 
-def measure_all_fidelity(model, static, prompts: list[dict], tokens: int, taus: list[float]) -> dict[str, Fidelity]:
+def measure_all_fidelity(model, systems: list[System], prompts: list[dict], tokens: int) -> dict[str, Fidelity]:
     """Teacher-forced fidelity of every system but the backbone, against backbone references computed once."""
     references = [backbone_references(model, [inputs["input_ids"]], tokens)[0]
                   for inputs in tqdm(prompts, desc="backbone references", file=sys.stderr)]
-    systems = {FULL_QUANT: (model, RiverSettings(tau=-1.0)), STATIC_FULL_QUANT: (static, None),
-               **{river_name(tau): (model, RiverSettings(tau=tau)) for tau in taus}}
-    return {name: measure_fidelity(system, references, settings)
-            for name, (system, settings) in tqdm(systems.items(), desc="fidelity (teacher-forced)", file=sys.stderr)}
+    measured = [system for system in systems if system.kind != "backbone"]
+    return {system.name: measure_fidelity(system.model or model, references, system.river_settings)
+            for system in tqdm(measured, desc="fidelity (teacher-forced)", file=sys.stderr)}
 
 
 def river_taus(taus: list[float]) -> list[float]:
@@ -99,38 +111,37 @@ def river_taus(taus: list[float]) -> list[float]:
     return sorted({float(tau) for tau in taus if tau > -1.0})
 
 
-def system_configs(settings: BenchSettings, taus: list[float]) -> dict:
-    """name -> generation config, in the order the systems run. All generate exactly max_new_tokens, greedily."""
-    fixed = dict(max_new_tokens=settings.max_new_tokens, min_new_tokens=settings.max_new_tokens, do_sample=False)
-    return {BACKBONE: GenerationConfig(**fixed), FULL_QUANT: RiverConfig(tau=-1.0, **fixed),
-            STATIC_FULL_QUANT: GenerationConfig(**fixed),
-            **{river_name(tau): RiverConfig(tau=tau, **fixed) for tau in river_taus(taus)}}
-
-
 # ---- the record -------------------------------------------------------------------------------------------------
-def system_records(timings: dict[str, list[Timing]], fidelity: dict[str, Fidelity], twins: dict,
-                   taus: list[float], num_prompts: int) -> list[dict]:
-    base, static = median_rate(timings[BACKBONE]), median_rate(timings[STATIC_FULL_QUANT])
-    kinds = {BACKBONE: ("backbone", None), FULL_QUANT: ("full-quant", -1.0),
-             STATIC_FULL_QUANT: ("static-full-quant", None), **{river_name(t): ("river", t) for t in taus}}
+def system_records(systems: list[System], timings: dict[str, list[Timing]], fidelity: dict[str, Fidelity],
+                   twins: dict, num_prompts: int) -> list[dict]:
+    base = median_rate(timings[BACKBONE])
+    static = median_rate(timings[STATIC_FULL_QUANT]) if STATIC_FULL_QUANT in timings else None
     records = []
-    for name, runs in timings.items():
-        kind, tau = kinds[name]
+    for system in systems:
+        runs = timings[system.name]
         summary = speed_summary(runs, base, static)
-        summary.update(depth_summary(runs, kind, twins))
-        fid = fidelity.get(name)
-        records.append({"name": name, "kind": kind, "tau": tau, "summary": summary,
-                        "fidelity": _fidelity_record(fid),
+        summary.update(depth_summary(runs, system.kind, twins))
+        records.append({**system.describe(), "summary": summary,
+                        "fidelity": _fidelity_record(fidelity.get(system.name)),
                         "runs": [run_record(run, idx, num_prompts) for idx, run in enumerate(runs)]})
     return records
 
 
-def speed_summary(runs: list[Timing], base_rate: float, static_rate: float) -> dict:
+def speed_summary(runs: list[Timing], base_rate: float, static_rate: float | None) -> dict:
     rate = median_rate(runs)
     peaks = [run.cuda_peak_bytes for run in runs if run.cuda_peak_bytes is not None]
-    return {"decode_tokens_per_s": rate, "speed_ratio": rate / base_rate, "ratio_vs_static_full_quant":
-            rate / static_rate, "prefill_ms": 1000 * statistics.median(run.prefill_s for run in runs),
+    return {"decode_tokens_per_s": rate, "speed_ratio": rate / base_rate,
+            "ratio_vs_static_full_quant": rate / static_rate if static_rate else None,
+            "ms_per_token": 1000 / rate, "backbone_ms_per_token": _median_ms(runs, "backbone"),
+            "skipped_ms_per_token": _median_ms(runs, "skipped"),
+            "prefill_ms": 1000 * statistics.median(run.prefill_s for run in runs),
             "cuda_peak_bytes": max(peaks) if peaks else None}
+
+
+def _median_ms(runs: list[Timing], part: str) -> float | None:
+    """Median over runs of one part's decode-step layer time per token; None for plain systems (not profiled)."""
+    values = [run.ms_per_token(part) for run in runs if run.layer_seconds is not None]
+    return statistics.median(values) if values else None
 
 
 def depth_summary(runs: list[Timing], kind: str, twins: dict) -> dict:
@@ -157,7 +168,7 @@ def run_record(run: Timing, index: int, num_prompts: int) -> dict:
     return {"round": index // num_prompts, "prompt": index % num_prompts, "new_tokens": run.new_tokens,
             "prefill_s": run.prefill_s, "decode_s": run.decode_s, "decode_tokens_per_s": run.decode_tokens_per_s, "token_times_s": run.token_times,
             "token_ids": run.token_ids, "exit_depths": run.exit_depths, "mean_exit_depth": run.mean_exit_depth,
-            "cuda_peak_bytes": run.cuda_peak_bytes}
+            "cuda_peak_bytes": run.cuda_peak_bytes, "layer_seconds": run.layer_seconds}
 
 
 def memory_report(model, rss_built: int) -> dict:
@@ -196,11 +207,14 @@ def finish_record(record: dict, model_id: str, device: str, prompt_source: str, 
             "prompts": {"source": prompt_source, "texts": prompts[:used], "speed": settings["prompts"],
                         "fidelity": settings["fidelity_prompts"]},
             "environment": {**started, "load_average_after": environment()["load_average"]},
-            **record, "target": full_quant_target(record["systems"])}
+            **record, "target": full_quant_target(record["systems"]),
+            "versus_random": versus_random(record["systems"])}
 
 
-def full_quant_target(systems: list[dict]) -> dict:
+def full_quant_target(systems: list[dict]) -> dict | None:
     by_name = {system["name"]: system for system in systems}
+    if FULL_QUANT not in by_name or STATIC_FULL_QUANT not in by_name:
+        return None
     ratio = by_name[FULL_QUANT]["summary"]["ratio_vs_static_full_quant"]
     return {"full_quant_vs_static_full_quant": ratio, "target": FULL_QUANT_TARGET, "met": ratio >= FULL_QUANT_TARGET}
 
@@ -229,7 +243,7 @@ def _json_safe(value):
 
 # ---- the table --------------------------------------------------------------------------------------------------
 def markdown_table(record: dict) -> str:
-    """The twin configuration and the settings, then one row per system."""
+    """The twin configuration and the settings, then one row per system (and the comparisons that apply)."""
     s, twins = record["settings"], record["twins"]
     lines = [twin_label(twins) + f" · model {record['model']['id']} on {record['model']['device']}",
              f"speed: {s['prompts']} prompts x {s['rounds']} rounds, {s['max_new_tokens']} new tokens, batch 1, "
@@ -240,13 +254,80 @@ def markdown_table(record: dict) -> str:
     for system in record["systems"]:
         sm, fid = system["summary"], system["fidelity"]
         depth = f"{sm['mean_exit_depth']:.1f}" + ("" if sm["exit_depth_measured"] else " (fixed)")
+        vs_static = _ratio(sm["ratio_vs_static_full_quant"])
         lines.append(f"| {system_label(system)} | {sm['decode_tokens_per_s']:.1f} | {sm['speed_ratio']:.2f}x | "
-                     f"{sm['ratio_vs_static_full_quant']:.2f}x | {sm['prefill_ms']:.0f} | {depth} | "
-                     f"{fid['match']:.1%} | {fid['kl']:.4f} |")
-    target = record["target"]
-    lines += ["", f"full-quant (river, tau=-1) runs at {target['full_quant_vs_static_full_quant']:.2f}x the static "
-                  f"full-quant model (target >= {target['target']}x: {'met' if target['met'] else 'NOT met'})"]
+                     f"{vs_static} | {sm['prefill_ms']:.0f} | {depth} | {fid['match']:.1%} | {fid['kl']:.4f} |")
+    target = record.get("target")
+    if target:
+        lines += ["", f"full-quant (river, tau=-1) runs at {target['full_quant_vs_static_full_quant']:.2f}x the "
+                      f"static full-quant model (target >= {target['target']}x: {'met' if target['met'] else 'NOT met'})"]
+    comparison = record.get("versus_random")
+    if comparison:
+        lines += ["", "against random routing at equal speed (match of the system minus the random curve's, "
+                      "interpolated at the system's speed):"]
+        lines += [f"- {name}: {_points(entry['delta'])} ({entry['beats']} of {entry['points']} points above the "
+                  f"curve; mean {_points(entry['mean_delta'])})" for name, entry in comparison.items()]
     return "\n".join(lines)
+
+
+def strategy_table(record: dict) -> str:
+    """The paper's Fig. 3 as a table: per KV strategy and tau, where the decode time goes, and what it costs."""
+    twins = record["twins"]
+    lines = [f"| strategy | tau | mean exit depth (of {twins['num_layers']}) | backbone ms/token | skipped-layer "
+             f"ms/token | total ms/token | vs backbone | next-token match | KL |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for system in record["systems"]:
+        sm, fid = system["summary"], system["fidelity"]
+        strategy = system["strategy"] or system["kind"]
+        tau = "" if system["tau"] is None else f"{system['tau']:g}"
+        lines.append(f"| {strategy} | {tau} | {sm['mean_exit_depth']:.1f} | {_ms(sm['backbone_ms_per_token'])} | "
+                     f"{_ms(sm['skipped_ms_per_token'])} | {sm['ms_per_token']:.1f} | {sm['speed_ratio']:.2f}x | "
+                     f"{fid['match']:.1%} | {fid['kl']:.4f} |")
+    return "\n".join(lines)
+
+
+def versus_random(systems: list[dict]) -> dict[str, dict]:
+    """Per exit signal: how much more faithful than random routing it is at the same speed.
+
+    The random curve is (speed ratio, match) of the random-routing systems plus the backbone (1.0x, 100%), linearly
+    interpolated; a system faster than every random point is compared with the fastest one (flat extrapolation,
+    which flatters random: faster random routing only loses fidelity)."""
+    curve = sorted([(s["summary"]["speed_ratio"], s["fidelity"]["match"]) for s in systems if s["kind"] == "random"]
+                   + [(1.0, 1.0)])
+    if len(curve) < 2:
+        return {}
+    by_signal: dict[str, list[float]] = {}
+    for system in systems:
+        if system["kind"] in ("river", "strategy") and system.get("signal"):
+            delta = system["fidelity"]["match"] - _interpolate(curve, system["summary"]["speed_ratio"])
+            system["fidelity"]["match_minus_random"] = delta
+            label = system["signal"] if system["kind"] == "river" else f"{system['strategy']} ({system['signal']})"
+            by_signal.setdefault(label, []).append(delta)
+    return {label: {"delta": deltas, "points": len(deltas), "beats": sum(d > 0 for d in deltas),
+                    "mean_delta": sum(deltas) / len(deltas)} for label, deltas in by_signal.items()}
+
+
+def _interpolate(curve: list[tuple[float, float]], x: float) -> float:
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else max(y0, y1)
+    return curve[-1][1]
+
+
+def _points(values) -> str:
+    if isinstance(values, list):
+        return ", ".join(f"{v * 100:+.1f} pp" for v in values)
+    return f"{values * 100:+.1f} pp"
+
+
+def _ratio(value) -> str:
+    return "" if value is None else f"{value:.2f}x"
+
+
+def _ms(value) -> str:
+    return "" if value is None else f"{value:.1f}"
 
 
 SYSTEM_LABELS = {"backbone": "backbone", "full-quant": "full-quant (river tau=-1)",
@@ -254,4 +335,11 @@ SYSTEM_LABELS = {"backbone": "backbone", "full-quant": "full-quant (river tau=-1
 
 
 def system_label(system: dict) -> str:
-    return SYSTEM_LABELS.get(system["kind"]) or f"river tau={system['tau']:g}"
+    if system["kind"] in SYSTEM_LABELS:
+        return SYSTEM_LABELS[system["kind"]]
+    if system["kind"] == "random":
+        return f"random routing p={system['exit_rate']:g}"
+    if system["kind"] == "strategy":
+        return f"{system['strategy']} tau={system['tau']:g}"
+    signal = "" if system.get("signal") in (None, "cosine") else f" ({system['signal']})"
+    return f"river tau={system['tau']:g}{signal}"

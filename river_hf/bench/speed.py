@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from ..generation import RiverConfig, new_river_cache
+
 
 class TokenClock(BaseStreamer):
     """A streamer that only timestamps: `generate` calls `put` with the prompt, then once per new token."""
@@ -41,6 +43,13 @@ class Timing:
     token_ids: list[int] = field(default_factory=list)      # the new tokens (row 0)
     exit_depths: list[int] | None = None  # backbone layers each decoded position ran (row 0); None without a river
     cuda_peak_bytes: int | None = None    # torch.cuda.max_memory_allocated during the call; None on CPU
+    layer_seconds: dict[str, float] | None = None  # decode steps' layer time: "backbone" / "skipped" (river only)
+
+    def ms_per_token(self, part: str) -> float:
+        """Milliseconds per decoded token of one part of the decoder layers' time (nan without a river)."""
+        if self.layer_seconds is None or self.new_tokens < 2:
+            return float("nan")
+        return 1000 * self.layer_seconds.get(part, 0.0) / (self.new_tokens - 1)
 
     @property
     def decode_s(self) -> float:
@@ -48,14 +57,20 @@ class Timing:
 
 
 @torch.no_grad()
-def time_generate(model, inputs: dict, generation_config) -> Timing:
+def time_generate(model, inputs: dict, generation_config, profile: bool = False) -> Timing:
+    """One timed generate call. `profile=True` (river configs only) also splits the decode steps' layer time into
+    backbone and skipped layers (`Timing.layer_seconds`), at two clock reads per layer call."""
     device = inputs["input_ids"].device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     clock = TokenClock()
     generation_config = copy.deepcopy(generation_config)  # the caller's config stays as it was
     generation_config.return_dict_in_generate = True  # for the cache and its exit record
-    out = model.generate(**inputs, generation_config=generation_config, streamer=clock)
+    extra = {}
+    if profile and isinstance(generation_config, RiverConfig):
+        extra["cache"] = new_river_cache(model, generation_config.river_settings(), inputs.get("attention_mask"))
+        extra["cache"].profile = True
+    out = model.generate(**inputs, generation_config=generation_config, streamer=clock, **extra)
     times = [t - clock.start for t in clock.token_times]
     decode_s = times[-1] - times[0] if len(times) > 1 else float("nan")
     cache = out.cache
@@ -65,11 +80,12 @@ def time_generate(model, inputs: dict, generation_config) -> Timing:
         mean_exit_depth=cache.mean_exit_depth() if river else float("nan"), token_times=times,
         token_ids=out.sequences[0, inputs["input_ids"].shape[1]:].tolist(),
         exit_depths=cache.exit_depth[0, cache.prompt_length:].tolist() if river else None,
-        cuda_peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+        cuda_peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        layer_seconds=dict(cache.seconds) if river else None)
 
 
 def interleaved(model, systems: dict, prompts: list[dict], rounds: int = 2, progress=None,
-                models: dict | None = None) -> dict[str, list[Timing]]:
+                models: dict | None = None, profile: bool = False) -> dict[str, list[Timing]]:
     """Time every system (name -> generation config) on every prompt, after one warm-up pass, in the order
     A B C A B C ...: drifting machine load then hits all systems alike. `progress(n)` is called after each run.
 
@@ -77,12 +93,12 @@ def interleaved(model, systems: dict, prompts: list[dict], rounds: int = 2, prog
     shares the weights); the others run on `model`. Runs are listed prompt by prompt, round after round."""
     models = models or {}
     for name, config in systems.items():  # warm-up: first calls pay for allocation and kernel selection
-        time_generate(models.get(name, model), prompts[0], config)
+        time_generate(models.get(name, model), prompts[0], config, profile)
     timings: dict[str, list[Timing]] = {name: [] for name in systems}
     for _ in range(rounds):
         for inputs in prompts:
             for name, config in systems.items():
-                timings[name].append(time_generate(models.get(name, model), inputs, config))
+                timings[name].append(time_generate(models.get(name, model), inputs, config, profile))
                 if progress is not None:
                     progress(1)
     return timings

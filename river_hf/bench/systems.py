@@ -11,11 +11,17 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import GenerationConfig
 
+from ..config import bits_label
+from ..generation import RiverConfig
+from ..router import RiverSettings
+from ..signals import update_norm_score
 from ..architectures import find_decoder_layers
 from ..layers import RiverLayer, river_layers, twin_linears
 from ..patching import is_river
@@ -30,10 +36,71 @@ GRID_QUANTILES = (0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9)
 QUICK_GRID_QUANTILES = (0.25, 0.5, 0.75)
 
 BACKBONE, FULL_QUANT, STATIC_FULL_QUANT = "backbone", "full-quant", "static-full-quant"
+# KV strategies at two thresholds (the paper's Fig. 3): relaxed and strict, for the packaged SmolLM2 (cosine).
+SMOLLM2_STRATEGY_TAUS = (0.97, 0.985)
+STRATEGY_GRID_QUANTILES = (0.25, 0.75)
+# The random-routing baseline's exit rates (share of decoded tokens sent to the twins at a random layer).
+EXIT_RATES = (0.2, 0.4, 0.6, 0.8, 0.9)
+QUICK_EXIT_RATES = (0.3, 0.7)
 
 
-def river_name(tau: float) -> str:
-    return f"tau={tau:g}"
+@dataclass
+class System:
+    """One thing a bench measures: how to generate with it, how to measure its fidelity, and what it is."""
+
+    name: str
+    kind: str  # "backbone", "full-quant", "static-full-quant", "river", "random" or "strategy"
+    config: GenerationConfig  # what `generate` gets (a RiverConfig for the river's systems)
+    model: nn.Module | None = None  # None: the bench's river model
+    tau: float | None = None
+    signal: str | None = None
+    strategy: str | None = None
+    exit_rate: float | None = None
+
+    @property
+    def river_settings(self) -> RiverSettings | None:
+        """For teacher-forced fidelity; None measures the system as a plain model."""
+        return self.config.river_settings() if isinstance(self.config, RiverConfig) else None
+
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "tau": self.tau, "signal": self.signal,
+                "strategy": self.strategy, "exit_rate": self.exit_rate}
+
+
+def fixed_length(max_new_tokens: int) -> dict:
+    """Every speed run generates exactly this many tokens, greedily."""
+    return dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+
+
+def reference_systems(static_model: nn.Module, fixed: dict) -> list[System]:
+    """The backbone, full quantization through the river (tau=-1) and the static full-quant model."""
+    return [System(BACKBONE, "backbone", GenerationConfig(**fixed)),
+            System(FULL_QUANT, "full-quant", RiverConfig(tau=-1.0, **fixed), tau=-1.0),
+            System(STATIC_FULL_QUANT, "static-full-quant", GenerationConfig(**fixed), model=static_model)]
+
+
+def signal_systems(signal: str, taus: list[float], fixed: dict, signal_layer: int | None = None) -> list[System]:
+    """The river with one exit signal at each tau (the paper's cosine keeps the plain names `tau=t`)."""
+    extra = {"signal_layer": signal_layer} if signal == "cosine_first" and signal_layer is not None else {}
+    return [System(river_name(tau, signal), "river", RiverConfig(tau=tau, exit_signal=signal, **extra, **fixed),
+                   tau=tau, signal=signal) for tau in taus]
+
+
+def random_systems(rates: list[float], seed: int, fixed: dict) -> list[System]:
+    """Blind mixing: each decoded token goes to the twins at a random layer with probability p (no signal)."""
+    return [System(f"random p={rate:g}", "random",
+                   RiverConfig(exit_signal="random", exit_rate=rate, seed=seed, **fixed), exit_rate=rate,
+                   signal="random") for rate in rates]
+
+
+def strategy_systems(strategies: list[str], taus: list[float], fixed: dict) -> list[System]:
+    """Every KV strategy at each tau, with the same (cosine) exit decision."""
+    return [System(f"{strategy} tau={tau:g}", "strategy", RiverConfig(tau=tau, kv_strategy=strategy, **fixed),
+                   tau=tau, signal="cosine", strategy=strategy) for strategy in strategies for tau in taus]
+
+
+def river_name(tau: float, signal: str = "cosine") -> str:
+    return f"tau={tau:g}" if signal == "cosine" else f"{signal} tau={tau:g}"
 
 
 def static_full_quant(river_model: nn.Module) -> nn.Module:
@@ -71,14 +138,38 @@ def default_taus(river_model: nn.Module, inputs: dict, packaged: bool, quick: bo
 
 
 @torch.no_grad()
-def layer_similarities(river_model: nn.Module, inputs: dict) -> torch.Tensor:
-    """cos(h_in, h_out) of every layer that may exit (layer index >= start_layer - 1, not the last) at every
-    position of one prompt, run on the backbone: a flat float32 tensor, the signal the router thresholds."""
+def layer_similarities(river_model: nn.Module, inputs: dict, signal: str = "cosine",
+                       signal_layer: int | None = None) -> torch.Tensor:
+    """The exit signal's score (cos(h_in, h_out), or 1 - |h_out - h_in| / |h_in| for "update_norm") of every layer
+    that may exit (layer index >= start_layer - 1, not the last; "cosine_first": only its one layer) at every position
+    of one prompt, run on the backbone: a flat float32 tensor, the value the router thresholds."""
     start_layer = next(layer.layer_idx for layer in river_layers(river_model) if layer.twin is not None)
     states = river_model(**inputs, output_hidden_states=True).hidden_states  # num_layers + 1 of [1, T, D]
-    sims = [F.cosine_similarity(states[idx].float(), states[idx + 1].float(), dim=-1).flatten()
-            for idx in range(start_layer - 1, len(states) - 2)]
-    return torch.cat(sims)
+    depths = range(start_layer, len(states) - 1)  # depth d: the output of layer d - 1
+    if signal == "cosine_first":
+        depths = [max(signal_layer or start_layer, start_layer)]
+    score = update_norm_score if signal == "update_norm" else _cosine
+    return torch.cat([score(states[depth - 1], states[depth]).flatten() for depth in depths])
+
+
+def _cosine(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
+    return F.cosine_similarity(h_in.float(), h_out.float(), dim=-1)
+
+
+def signal_taus(river_model: nn.Module, inputs: dict, signal: str, quick: bool,
+                signal_layer: int | None = None) -> list[float]:
+    """A tau grid for a signal other than the packaged model's cosine: quantiles of the signal's own scores."""
+    scores = layer_similarities(river_model, inputs, signal, signal_layer)
+    quantiles = torch.tensor(QUICK_GRID_QUANTILES if quick else GRID_QUANTILES)
+    return sorted({round(value, 4) for value in torch.quantile(scores, quantiles).tolist()})
+
+
+def strategy_taus(river_model: nn.Module, inputs: dict, packaged: bool) -> list[float]:
+    """The two thresholds of the KV-strategy comparison: relaxed and strict."""
+    if packaged:
+        return list(SMOLLM2_STRATEGY_TAUS)
+    scores = layer_similarities(river_model, inputs)
+    return sorted({round(value, 4) for value in torch.quantile(scores, torch.tensor(STRATEGY_GRID_QUANTILES)).tolist()})
 
 
 def weight_bytes(river_model: nn.Module) -> dict[str, int]:
@@ -102,6 +193,7 @@ def twin_description(river_model: nn.Module) -> dict:
     kernels = sorted({linear.backend for layer in layers if layer.twin is not None
                       for linear in twin_linears(layer.twin)})
     return {"nbits": quant.nbits, "group_size": quant.group_size, "start_layer": quant.start_layer,
+            "quantize_lm_head": quant.quantize_lm_head, "lm_head_nbits": quant.lm_head_nbits,
             "skip_modules": list(quant.skip_modules), "backend": quant.backend, "kernels": kernels,
             "num_layers": len(layers)}
 
@@ -109,5 +201,7 @@ def twin_description(river_model: nn.Module) -> dict:
 def twin_label(twins: dict) -> str:
     """One line for beside every table and figure."""
     skip = f", {'/'.join(twins['skip_modules'])} kept" if twins["skip_modules"] else ""
-    return (f"twins: {twins['nbits']}-bit HQQ, group {twins['group_size']}, from layer {twins['start_layer']} "
+    nbits = bits_label(twins["nbits"])
+    skip += f", LM head {twins['lm_head_nbits']}-bit for exited steps" if twins.get("quantize_lm_head") else ""
+    return (f"twins: {nbits}-bit HQQ, group {twins['group_size']}, from layer {twins['start_layer']} "
             f"of {twins['num_layers']}, kernel {'/'.join(twins['kernels']) or twins['backend']}{skip}")

@@ -1,0 +1,250 @@
+"""Twin precision: per-layer bit schedules and the optional quantized LM head for exited steps (issue 5)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+import river_hf
+from river_hf import RiverConfig, RiverQuantConfig
+from river_hf.lm_head import RiverLMHead, original_lm_head
+from river_hf.quantize import RiverQuantLinear
+
+from conftest import plain_copy_with_twins, tiny_model
+
+NEW_TOKENS = 8
+IDS = torch.tensor([[5, 9, 33, 70, 12], [7, 101, 44, 3, 250]])
+
+
+def greedy(model, ids=IDS, **config):
+    config = {"max_new_tokens": NEW_TOKENS, "do_sample": False, **config}
+    cls = RiverConfig if "tau" in config else GenerationConfig
+    return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cls(**config),
+                          return_dict_in_generate=True, output_logits=True)
+
+
+def twin_kernels(model) -> dict[int, set[tuple]]:
+    """{layer_idx: {(nbits, group_size, backend) of its twin's quantized linears}} for the layers with a twin."""
+    return {layer.layer_idx: {(m.nbits, m.group_size, m.backend) for m in layer.twin.modules()
+                              if isinstance(m, RiverQuantLinear)}
+            for layer in river_hf.river_layers(model) if layer.twin is not None}
+
+
+def with_head(reference, name: str):
+    """`reference` (a plain copy of a river model) with its RiverLMHead replaced by its `name` head."""
+    reference.set_output_embeddings(getattr(reference.get_output_embeddings(), name))
+    return reference
+
+
+# ---------------------------------------------------------------- per-layer bit schedule
+
+
+def test_schedule_builds_each_twin_with_its_layers_bits_and_kernel():
+    config = RiverQuantConfig(nbits=[8, 8, 4, 4, 2], group_size=64, start_layer=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = river_hf.build_river(tiny_model("llama"), config, progress=False)
+    assert not [w for w in caught if "RiverQuantLinear" in str(w.message)]  # per-row 8-bit is the schedule's rule
+    assert twin_kernels(model) == {
+        1: {(8, None, "int8pack_cpu")}, 2: {(8, None, "int8pack_cpu")},
+        3: {(4, 64, "int4pack_cpu")}, 4: {(4, 64, "int4pack_cpu")}, 5: {(2, 64, "int4pack_cpu")},
+    }
+    assert [config.nbits_for(idx) for idx in range(1, 6)] == [8, 8, 4, 4, 2]
+    assert [config.group_size_for(idx) for idx in range(1, 6)] == [None, None, 64, 64, 64]
+
+
+def test_schedule_runs_and_tau_minus_one_equals_the_scheduled_full_quantization():
+    model = river_hf.build_river(tiny_model("qwen3"), RiverQuantConfig.schedule(num_layers=6, first_layers=2,
+                                                                                start_layer=2), progress=False)
+    assert {idx: {bits for bits, *_ in kernels} for idx, kernels in twin_kernels(model).items()} == {
+        2: {8}, 3: {8}, 4: {4}, 5: {4}}
+    out = greedy(model, tau=-1)
+    assert (out.cache.exit_depth == 2).all()
+    assert torch.equal(out.sequences, greedy(plain_copy_with_twins(model)).sequences)
+    out.cache.check_kv_integrity()
+
+
+def test_schedule_constructor():
+    assert RiverQuantConfig.schedule(num_layers=6, first_layers=2) == RiverQuantConfig(nbits=[8, 8, 4, 4, 4])
+    assert RiverQuantConfig.schedule(6, 1, first_bits=4, rest_bits=2, start_layer=3, group_size=32) == (
+        RiverQuantConfig(nbits=[4, 2, 2], start_layer=3, group_size=32))
+    with pytest.raises(ValueError, match="`first_layers` must be an integer between 0 and 5"):
+        RiverQuantConfig.schedule(num_layers=6, first_layers=6)
+    with pytest.raises(ValueError, match="`num_layers`=2 leaves no river layer"):
+        RiverQuantConfig.schedule(num_layers=2, first_layers=0, start_layer=2)
+
+
+@pytest.mark.parametrize("nbits", [[4, 4, 4], [8] * 6])
+def test_schedule_length_must_equal_the_number_of_river_layers(nbits):
+    config = RiverQuantConfig(nbits=nbits, start_layer=1)
+    with pytest.raises(ValueError, match=rf"`nbits` has {len(nbits)} entries, but this model has 5 river layers "
+                                         r"\(decoder layers 1..5: num_layers 6 - start_layer 1\)"):
+        river_hf.build_river(tiny_model(), config, progress=False)
+
+
+def test_nbits_for_names_layers_without_a_twin():
+    config = RiverQuantConfig(nbits=[8, 4], start_layer=2)
+    assert (config.nbits_for(2), config.nbits_for(3)) == (8, 4)
+    with pytest.raises(ValueError, match="layer 1 has no twin"):
+        config.nbits_for(1)
+    with pytest.raises(ValueError, match="past the `nbits` schedule, which covers layers 2..3"):
+        config.nbits_for(4)
+    assert RiverQuantConfig(nbits=3).nbits_for(17) == 3  # one int: every twin
+
+
+def test_single_nbits_8_keeps_its_one_warning_about_group_size():
+    """Unchanged for an int: nbits=8 with a group size still says the int8 kernel ignores it (once per message)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = river_hf.build_river(tiny_model(), RiverQuantConfig(nbits=8, group_size=64, start_layer=4),
+                                     progress=False)
+    assert {str(w.message) for w in caught if "one group per output row" in str(w.message)} != set()
+    assert twin_kernels(model) == {4: {(8, None, "int8pack_cpu")}, 5: {(8, None, "int8pack_cpu")}}
+
+
+def test_schedule_survives_save_and_from_pretrained(saved_tiny_model, tmp_path):
+    quant = RiverQuantConfig(nbits=[8, 4, 4, 8], start_layer=2, group_size=32)
+    model = AutoModelForCausalLM.from_pretrained(saved_tiny_model, quantization_config=quant)
+    expected = {2: {(8, None, "int8pack_cpu")}, 3: {(4, 32, "int4pack_cpu")}, 4: {(4, 32, "int4pack_cpu")},
+                5: {(8, None, "int8pack_cpu")}}
+    assert twin_kernels(model) == expected
+    model.save_pretrained(tmp_path / "river")
+    assert '"nbits": [\n      8,\n      4,' in (tmp_path / "river" / "config.json").read_text()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "river")
+    assert reloaded.config.quantization_config.nbits == [8, 4, 4, 8]
+    assert twin_kernels(reloaded) == expected
+
+
+# ---------------------------------------------------------------- quantized LM head
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_quantized_head_is_unused_unless_a_step_exits(arch):
+    model = tiny_model(arch, tie_word_embeddings=True)
+    expected = greedy(model)
+    river_hf.build_river(model, RiverQuantConfig(start_layer=2, quantize_lm_head=True), progress=False)
+    calls = [0]
+    model.lm_head.quantized_head.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    out = greedy(model, tau=1.5)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, expected.logits))
+    assert torch.equal(greedy(model).sequences, expected.sequences)  # plain generate on the river model
+    assert torch.equal(model(IDS).logits, tiny_model(arch, tie_word_embeddings=True)(IDS).logits)  # plain forward
+    assert calls[0] == 0
+
+
+@pytest.mark.parametrize("arch, head_bits, backend", [("llama", 8, "int8pack_cpu"), ("llama", 4, "int4pack_cpu"),
+                                                      ("gemma3", 8, "int8pack_cpu")])
+def test_exited_steps_use_the_quantized_head(arch, head_bits, backend):
+    model = river_hf.build_river(tiny_model(arch, tie_word_embeddings=True),
+                                 RiverQuantConfig(start_layer=2, quantize_lm_head=True, lm_head_nbits=head_bits),
+                                 progress=False)
+    head = model.get_output_embeddings()
+    assert isinstance(head, RiverLMHead)
+    assert (head.quantized_head.nbits, head.quantized_head.backend) == (head_bits, backend)
+    assert head.quantized_head.group_size == (None if head_bits == 8 else 64)
+    out = greedy(model, tau=-1)
+    assert (out.cache.exit_depth == 2).all()
+    twins_only = greedy(with_head(plain_copy_with_twins(model), "base_head"))  # full quantization, full head
+    assert not all(torch.equal(a, b) for a, b in zip(out.logits, twins_only.logits))
+    reference = greedy(with_head(plain_copy_with_twins(model), "quantized_head"))  # ... and the quantized head
+    assert torch.equal(out.sequences, reference.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, reference.logits))
+
+
+def test_with_mixed_exits_only_the_exited_steps_use_the_quantized_head():
+    model = tiny_model("llama", tie_word_embeddings=True)
+    with torch.no_grad():
+        states = model(IDS, output_hidden_states=True).hidden_states
+    # the highest mean similarity of the eligible layers: on this model some steps exit there, others never
+    tau = max(torch.nn.functional.cosine_similarity(states[l], states[l + 1], dim=-1).mean().item()
+              for l in range(1, 5))
+    river_hf.build_river(model, RiverQuantConfig(start_layer=2, quantize_lm_head=True), progress=False)
+    calls = [0]
+    model.lm_head.quantized_head.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    out = greedy(model, tau=tau, max_new_tokens=16)
+    prompt_length = out.cache.prompt_length
+    step_depths = [out.cache.exit_depth[0, 0].item(), *out.cache.exit_depth[0, prompt_length:].tolist()]
+    exited = sum(depth < 6 for depth in step_depths)
+    assert 0 < exited < len(step_depths)
+    assert calls[0] == exited
+
+
+def test_remove_river_restores_the_original_head_object_and_weights():
+    model = tiny_model("llama", tie_word_embeddings=True)
+    original_head = model.lm_head
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    logits = model(IDS).logits
+    river_hf.build_river(model, RiverQuantConfig(quantize_lm_head=True), progress=False)
+    assert model.lm_head is not original_head and model.lm_head.base_head is original_head
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied, read through the wrapper
+    river_hf.remove_river(model)
+    assert model.lm_head is original_head and model.get_output_embeddings() is original_head
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    restored = model.state_dict()
+    assert restored.keys() == state.keys() and all(torch.equal(restored[k], v) for k, v in state.items())
+    assert torch.equal(model(IDS).logits, logits)
+
+
+def test_tie_weights_on_a_river_model_ties_the_original_head():
+    model = river_hf.build_river(tiny_model("llama", tie_word_embeddings=True),
+                                 RiverQuantConfig(quantize_lm_head=True), progress=False)
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    model.tie_weights()
+    assert {name for name, _ in model.named_parameters(remove_duplicate=False)} == names
+    assert "weight" not in model.lm_head._parameters
+    assert model.lm_head.base_head.weight is model.model.embed_tokens.weight
+
+
+def test_original_lm_head_swaps_the_head_back_for_a_block():
+    model = river_hf.build_river(tiny_model(), RiverQuantConfig(quantize_lm_head=True), progress=False)
+    wrapper = model.lm_head
+    with original_lm_head(model):
+        assert model.lm_head is wrapper.base_head
+    assert model.lm_head is wrapper
+    plain = tiny_model()
+    with original_lm_head(plain):  # no RiverLMHead: nothing to do
+        assert isinstance(plain.lm_head, torch.nn.Linear)
+
+
+def test_save_pretrained_with_a_quantized_head_writes_the_plain_checkpoint(tmp_path):
+    model = tiny_model("llama", tie_word_embeddings=True)
+    model.save_pretrained(tmp_path / "plain")
+    river_hf.build_river(model, RiverQuantConfig(start_layer=2, quantize_lm_head=True), progress=False)
+    model.save_pretrained(tmp_path / "river")
+    assert isinstance(model.lm_head, RiverLMHead)  # back after saving
+    original = load_file(tmp_path / "plain" / "model.safetensors")
+    saved = load_file(tmp_path / "river" / "model.safetensors")
+    assert saved.keys() == original.keys() and all(torch.equal(saved[k], original[k]) for k in original)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "river")
+    assert not river_hf.is_river(reloaded)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight  # tied weights stay tied
+
+
+def test_quantized_head_survives_save_and_from_pretrained(tmp_path):
+    tiny_model("llama", tie_word_embeddings=True).save_pretrained(tmp_path / "tiny")
+    quant = RiverQuantConfig(nbits=[8, 4, 4, 4], start_layer=2, quantize_lm_head=True, lm_head_nbits=4)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", quantization_config=quant)
+    assert isinstance(model.lm_head, RiverLMHead) and model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path / "river")
+    original = load_file(tmp_path / "tiny" / "model.safetensors")
+    saved = load_file(tmp_path / "river" / "model.safetensors")
+    assert saved.keys() == original.keys() and all(torch.equal(saved[k], original[k]) for k in original)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "river")
+    assert reloaded.config.quantization_config == quant
+    assert isinstance(reloaded.lm_head, RiverLMHead) and reloaded.lm_head.quantized_head.nbits == 4
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    assert torch.equal(greedy(reloaded, tau=-1).sequences, greedy(model, tau=-1).sequences)
+
+
+def test_quantize_lm_head_needs_an_output_embedding():
+    from transformers import LlamaModel
+
+    base = LlamaModel(tiny_model().config)  # decoder layers, but no LM head
+    with pytest.raises(river_hf.UnsupportedModelError, match="`quantize_lm_head=True`: LlamaModel has no output"):
+        river_hf.build_river(base, RiverQuantConfig(quantize_lm_head=True), progress=False)
+    assert not river_hf.is_river(base)
