@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(subparsers)
     _add_eval_parser(subparsers)
     _add_bench_parser(subparsers)
+    _add_plot_parser(subparsers)
     _add_calibrate_parser(subparsers)
     return parser
 
@@ -646,6 +647,34 @@ def _bench_systems(args: argparse.Namespace, model, inputs: dict, settings, pack
     if rates is None:
         rates = systems.QUICK_EXIT_RATES if args.quick else systems.EXIT_RATES
     return bench.sweep_systems(model, settings, taus, signal_grids, rates, args.seed, args.signal_layer)
+
+
+# ---- plot -------------------------------------------------------------------------------------------------------
+def _add_plot_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plot", help="Overlay several bench records (e.g. one per twin precision) on one speed-vs-match plot.",
+        description="Reads `river-hf bench` JSON records and draws each one's cosine tau sweep, full-quantization "
+                    "point and random-routing curve on one plane. Ratios stay each run's own (to its backbone).")
+    parser.add_argument("records", nargs="+", metavar="RECORD.json")
+    parser.add_argument("--output", required=True, metavar="PNG")
+    parser.set_defaults(run=run_plot, subparser=parser)
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from .bench.plots import precisions_figure, save
+
+    records = []
+    for path in args.records:
+        try:
+            records.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as error:
+            raise CLIError(f"could not read bench record {path!r}: {error}") from error
+    save(precisions_figure(records), Path(args.output))
+    print(f"plot: {args.output}")
+    return 0
 
 
 # ---- calibrate --------------------------------------------------------------------------------------------------

@@ -211,6 +211,19 @@ def test_plots_are_png_files(bench_run):
         assert str(path) in out
 
 
+def test_plot_overlays_several_records(bench_run, tmp_path, capsys):
+    _, _, output = bench_run
+    png = tmp_path / "precisions.png"
+    assert main(["plot", str(output), str(output), "--output", str(png)]) == 0
+    assert png.read_bytes().startswith(PNG_SIGNATURE) and str(png) in capsys.readouterr().out
+
+
+def test_plot_of_a_missing_record_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plot", str(tmp_path / "none.json"), "--output", str(tmp_path / "x.png")])
+    assert info.value.code == 2 and "could not read bench record" in capsys.readouterr().err
+
+
 # ---- the pieces -------------------------------------------------------------------------------------------------
 def test_static_full_quant_shares_every_tensor_and_leaves_the_river_alone():
     model = river_hf.build_river(tiny_model(), progress=False)

@@ -11,6 +11,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, PercentFormatter
 
+from ..config import bits_label
 from .systems import twin_label
 
 COLORS = {"backbone": "black", "full-quant": "tab:red", "static-full-quant": "tab:orange", "river": "tab:blue",
@@ -114,8 +115,8 @@ def strategy_figure(record: dict) -> Figure:
                     (x, total), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
     ax.set_xticks(list(xs), [f"{s['strategy']}\nτ={s['tau']:g}" for s in systems], fontsize=7)
     ax.set_ylabel("decode ms / token")
-    ax.set_ylim(0, max(p[2] for p in parts) * 1.25)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.set_ylim(0, max(max(p[2] for p in parts), backbone["summary"]["ms_per_token"]) * 1.45)
+    ax.legend(fontsize=7, loc="upper right", ncols=2)
     _title(figure, record, "KV strategies: where the decode time goes (label: mean exit depth, next-token match)")
     return figure
 
@@ -149,3 +150,46 @@ def _title(figure: Figure, record: dict, what: str) -> None:
                     f"{s['prompts']} prompts x {s['rounds']} rounds x {s['max_new_tokens']} tokens (speed), "
                     f"{s['fidelity_prompts']} x {s['fidelity_tokens']} (fidelity)", fontsize=8)
     figure.tight_layout()
+
+
+PRECISION_COLORS = ("tab:blue", "tab:red", "tab:green", "tab:purple", "tab:brown", "tab:olive")
+
+
+def precisions_figure(records: list[dict]) -> Figure:
+    """Several bench records (one twin precision each) on one speed-vs-match plane: per record, its cosine tau sweep
+    (line), its full-quantization point (diamond) and its random-routing curve (dashed). Each record's ratios are to
+    the backbone measured in its own run."""
+    figure = Figure(figsize=(7.5, 5.5), dpi=110)
+    ax = figure.add_subplot()
+    for record, color in zip(records, PRECISION_COLORS):
+        label = short_twin_label(record["twins"])
+        rivers = sorted((s["fidelity"]["match"], s["summary"]["speed_ratio"], s["tau"]) for s in record["systems"]
+                        if s["kind"] == "river" and s.get("signal") in (None, "cosine"))
+        ax.plot([p[0] for p in rivers], [p[1] for p in rivers], marker="o", color=color, label=f"{label}: cosine τ")
+        for match, ratio, tau in rivers:
+            ax.annotate(f"{tau:g}", (match, ratio), textcoords="offset points", xytext=(4, 3), fontsize=6, color=color)
+        randoms = sorted((s["summary"]["speed_ratio"], s["fidelity"]["match"]) for s in record["systems"]
+                         if s["kind"] == "random")
+        if randoms:
+            points = [(1.0, 1.0), *randoms]
+            ax.plot([p[1] for p in points], [p[0] for p in points], linestyle="--", marker="v", markersize=4,
+                    color=color, alpha=0.6, label=f"{label}: random routing")
+        full = next((s for s in record["systems"] if s["kind"] == "full-quant"), None)
+        if full is not None:
+            ax.scatter(full["fidelity"]["match"], full["summary"]["speed_ratio"], marker="D", s=50, color=color,
+                       edgecolors="black", zorder=3, label=f"{label}: full quantization")
+    ax.axhline(1.0, color="0.85", linewidth=0.8, zorder=0)
+    ax.set_xlabel("teacher-forced next-token match vs backbone")
+    ax.set_ylabel("decode speed / backbone (each run's own backbone)")
+    ax.xaxis.set_major_formatter(PercentFormatter(xmax=1.0))
+    ax.legend(fontsize=7, loc="best")
+    model = records[0]["model"]["id"] if records else ""
+    figure.suptitle(f"{model}: speed vs fidelity per twin precision", fontsize=9)
+    figure.tight_layout()
+    return figure
+
+
+def short_twin_label(twins: dict) -> str:
+    group = "row" if twins["group_size"] is None else f"g{twins['group_size']}"
+    head = f" +{twins['lm_head_nbits']}b head" if twins.get("quantize_lm_head") else ""
+    return f"{bits_label(twins['nbits'])}-bit {group}{head}"
