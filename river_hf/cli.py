@@ -579,7 +579,7 @@ def _add_bench_parser(subparsers) -> None:
     signals.add_argument("--exit-rates", type=_probability, nargs="*", default=None, metavar="P",
                          help="Random routing (each decoded token exits with probability P at a random layer) at "
                               "these rates, drawn as the baseline curve; none given: no baseline (default: "
-                              "0.2 0.4 0.6 0.8 0.9; --quick: 0.3 0.7).")
+                              "0.2 0.4 0.6 0.8 1.0; --quick: 0.3 0.6 1.0).")
     signals.add_argument("--seed", type=int, default=0, help="Seed of the random routing (default: %(default)s).")
     strategies = parser.add_argument_group("KV strategies (the paper's Fig. 3)")
     strategies.add_argument("--strategies", nargs="+", default=None, metavar="NAME",

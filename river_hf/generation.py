@@ -48,7 +48,8 @@ class RiverConfig(GenerationConfig):
             river's start layer, or half the layers for "mask" (which needs a minimum exit layer).
         exit_signal (`str`, defaults to "cosine"): what decides an exit. "cosine" = cos(h_in, h_out) > tau after
             each layer (the paper); "cosine_first" = decided once, at `signal_layer`; "update_norm" =
-            1 - |h_out - h_in| / |h_in| > tau; "random" = no signal, for the honest baseline (needs `exit_rate`).
+            1 - |h_out - h_in| / |h_in| > tau; "confidence" = the previous token's top-1 probability > tau,
+            decided at the first eligible depth; "random" = no signal, for the honest baseline (needs `exit_rate`).
         exit_rate (`float`, *optional*): with `exit_signal="random"`, the probability that a decoded token exits
             (at a uniformly random eligible layer).
         seed (`int`, *optional*): seed of the "random" signal's generator.
@@ -199,6 +200,9 @@ def new_river_cache(model, settings: RiverSettings, attention_mask=None, cache: 
     router = ExitRouter(settings, start_layer=start_layer, num_layers=len(layers))
     router.min_depth = _min_exit_depth(settings, strategy, start_layer, len(layers))
     router.prompt_mask = attention_mask
+    if router.signal.needs_confidence:
+        router.signal.step_state = layers[0].step_state
+        layers[0].step_state.last_confidence = None  # a new call: no previous token yet
     if cache is None:
         cache = RiverCache(config=text_config, num_layers=len(layers))
     cache.router, cache.num_layers, cache.strategy = router, len(layers), strategy

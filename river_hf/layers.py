@@ -18,6 +18,7 @@ from torch import nn
 from .architectures import find_decoder_layers
 from .cache import RiverCache
 from .quantize import RiverQuantLinear
+from .signals import top1_probability
 from .strategies import KVStrategy
 
 _RIVER = KVStrategy([])  # a RiverCache made by hand, with a router but no strategy, runs the river
@@ -28,6 +29,15 @@ class StepState:
     of the forward pass running now, or None when it is a plain backbone pass. Set by layer 0 at every pass."""
 
     router = None
+    last_confidence = None  # [B] top-1 probability of the last river pass, for the "confidence" signal
+    hooks: list | None = None  # removable hooks build_river installed (on the output embedding)
+
+
+def record_confidence(step_state: StepState, module, args, output) -> None:
+    """Forward hook on the LM head: keep the top-1 probability of a river pass whose signal needs it."""
+    router = step_state.router
+    if router is not None and router.signal.needs_confidence:
+        step_state.last_confidence = top1_probability(output[0] if isinstance(output, tuple) else output)
 
 
 class RiverLayer(nn.Module):

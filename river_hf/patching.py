@@ -8,13 +8,21 @@ an instance of its original class: the river class is a subclass with the same n
 
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 from tqdm.auto import tqdm
 
 from .architectures import UnsupportedModelError, find_decoder_layers
 from .config import RiverQuantConfig
 from .generation import RiverGenerationMixin
-from .layers import RiverLayer, StepState, make_twin, river_layers  # noqa: F401  (river_layers re-exported)
+from .layers import (  # noqa: F401  (river_layers re-exported)
+    RiverLayer,
+    StepState,
+    make_twin,
+    record_confidence,
+    river_layers,
+)
 from .lm_head import RiverLMHead, install_lm_head, remove_lm_head
 from .quantize import RiverQuantLinear
 
@@ -47,8 +55,17 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
                                  step_state=step_state)
     if lm_head is not None:
         install_lm_head(model, lm_head)
+    _hook_confidence(model, step_state)
     model.__class__ = _river_class(type(model))
     return model
+
+
+def _hook_confidence(model: nn.Module, step_state: StepState) -> None:
+    """The "confidence" exit signal reads the last pass's top-1 probability: a hook on the output embedding keeps it
+    (only for river passes whose signal asks; remove_river removes the hook)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    step_state.hooks = [] if head is None else [head.register_forward_hook(partial(record_confidence, step_state))]
 
 
 def _twin(layer: nn.Module, idx: int, quant_config: RiverQuantConfig) -> nn.Module:
@@ -82,6 +99,9 @@ def remove_river(model: nn.Module) -> nn.Module:
     layers = find_decoder_layers(model)
     for idx, layer in enumerate(layers):
         if isinstance(layer, RiverLayer):
+            for hook in layer.step_state.hooks or []:
+                hook.remove()
+            layer.step_state.hooks = []
             layers[idx] = layer.base_layer
     remove_lm_head(model)
     model.__class__ = model.__class__._river_base_class

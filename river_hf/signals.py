@@ -15,6 +15,8 @@ layer's input and output hidden states [B, T, D] and `mask` is the prompt's atte
   similarity is computed at any other layer.
 - "update_norm": the relative size of the layer's update, scored as 1 - |h_out - h_in| / |h_in| (higher = more
   similar, so it exits when score > tau, the same direction as the cosine); checked after every eligible layer.
+- "confidence": the previous token's top-1 probability > tau, decided once at the first eligible depth (the model
+  records it from each river pass's logits; a prompt never exits). Costs one softmax per token, no extra layer.
 - "random": no signal at all, the honest baseline. Each step exits with probability `exit_rate`, at a depth drawn
   uniformly among the eligible depths [min_depth, num_layers - 1], from a generator seeded with `seed` (one per
   router, so per `generate` call: a fixed seed repeats the same exits; None is nondeterministic). Every step draws
@@ -49,7 +51,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from .router import RiverSettings
 
-EXIT_SIGNALS = ("cosine", "cosine_first", "update_norm", "random")
+EXIT_SIGNALS = ("cosine", "cosine_first", "update_norm", "confidence", "random")
 EXIT_POLICIES = ("batch_min",)
 
 
@@ -103,6 +105,8 @@ def batch_passes(similarity: torch.Tensor, tau: float, policy: str = "batch_min"
 # ---- signals -----------------------------------------------------------------------------------------------------
 class ExitSignal:
     """Decides, after an eligible backbone layer, whether the step leaves for the twins. One per router."""
+
+    needs_confidence = False  # True: the model records each river pass's top-1 probability for it (StepState)
 
     def begin_step(self, is_prefill: bool, min_depth: int) -> None:
         """A forward pass starts: a prefill (several tokens per row) or a decode step; no exit before min_depth."""
@@ -182,6 +186,38 @@ class RandomExit(ExitSignal):
         return self.drawn_depth is not None and depth >= self.drawn_depth
 
 
+class PreviousConfidence(ExitSignal):
+    """The previous token's top-1 probability > tau, decided once, at the first eligible depth: a model that was
+    sure of its last token is likely sure of this one, and a sure prediction survives the twins' small errors (the
+    match metric is argmax agreement). It reads a number the last pass already produced: no extra layer, no LM head
+    at intermediate layers (CALM's confidence costs a head per check). A prompt never exits: it has no previous
+    token."""
+
+    needs_confidence = True
+
+    def __init__(self, tau: float, policy: str = "batch_min"):
+        self.tau = tau
+        self.policy = policy
+        self.step_state = None  # the model's StepState; set by new_river_cache
+        self.is_prefill, self.min_depth = False, 1
+
+    def begin_step(self, is_prefill: bool, min_depth: int) -> None:
+        self.is_prefill, self.min_depth = is_prefill, min_depth
+
+    def decide(self, depth, h_in, h_out, mask) -> bool:
+        if self.is_prefill or depth != self.min_depth or self.tau > 1.0:  # a probability never exceeds 1
+            return False
+        if self.tau <= -1.0:
+            return True
+        confidence = getattr(self.step_state, "last_confidence", None)
+        return confidence is not None and batch_passes(confidence, self.tau, self.policy)
+
+
+def top1_probability(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's top-1 probability at its last position. logits: [B, T, V] -> [B] float32."""
+    return F.softmax(logits[:, -1].float(), dim=-1).amax(dim=-1)
+
+
 def make_signal(settings: RiverSettings, num_layers: int) -> ExitSignal:
     """The exit signal `settings.exit_signal` names, for a model of `num_layers` decoder layers."""
     name = getattr(settings, "exit_signal", "cosine")
@@ -191,6 +227,8 @@ def make_signal(settings: RiverSettings, num_layers: int) -> ExitSignal:
         return CosineAtOneLayer(settings.tau, settings.exit_policy, settings.signal_layer)
     if name == "update_norm":
         return UpdateNorm(settings.tau, settings.exit_policy)
+    if name == "confidence":
+        return PreviousConfidence(settings.tau, settings.exit_policy)
     if name == "random":
         if settings.exit_rate is None:
             raise ValueError("`exit_signal`='random' needs `exit_rate`: the probability (0 to 1) that a token exits.")

@@ -164,21 +164,27 @@ def test_random_routing_exits_and_is_compared(bench_run):
     exited = sum(n for depth, n in histogram.items() if int(depth) < NUM_LAYERS)
     assert 0 < exited < sum(histogram.values())  # some tokens exit, some do not
     assert set(record["versus_random"]) == {"cosine", "update_norm"}
-    assert record["versus_random"]["cosine"]["points"] == 2
+    cosine = record["versus_random"]["cosine"]
+    assert cosine["points"] + cosine["out_of_range"] == 2
 
 
-def test_versus_random_interpolates_the_random_curve_at_equal_speed():
-    def system(kind, speed, match, signal="cosine"):
-        return {"kind": kind, "signal": signal, "strategy": None, "summary": {"speed_ratio": speed},
-                "fidelity": {"match": match}}
+def test_versus_random_interpolates_the_random_curve_at_equal_speed_or_depth():
+    def system(kind, speed, match, depth, signal="cosine"):
+        return {"kind": kind, "signal": signal, "strategy": None,
+                "summary": {"speed_ratio": speed, "mean_exit_depth": depth}, "fidelity": {"match": match}}
 
-    systems = [system("random", 1.5, 0.80, "random"), system("random", 2.0, 0.60, "random"),
-               system("river", 1.25, 0.95), system("river", 1.75, 0.60), system("river", 3.0, 0.70)]
-    comparison = versus_random(systems)["cosine"]
-    # the curve runs (1.0, 100%) -> (1.5, 80%) -> (2.0, 60%); beyond its fastest point it stays at 60%
-    assert comparison["delta"] == pytest.approx([0.95 - 0.90, 0.60 - 0.70, 0.70 - 0.60])
-    assert comparison["beats"] == 2 and comparison["points"] == 3
-    assert versus_random([system("river", 1.2, 0.9)]) == {}  # no random systems: nothing to compare with
+    systems = [system("backbone", 1.0, 1.0, 30, None), system("random", 1.5, 0.80, 20, "random"),
+               system("random", 2.0, 0.60, 10, "random"),
+               system("river", 1.25, 0.95, 26), system("river", 1.75, 0.60, 14), system("river", 3.0, 0.70, 5)]
+    comparison = versus_random(systems, "speed")["cosine"]
+    # the curve runs (1.0, 100%) -> (1.5, 80%) -> (2.0, 60%); beyond its fastest point there is nothing to compare
+    assert comparison["delta"][:2] == pytest.approx([0.95 - 0.90, 0.60 - 0.70]) and comparison["delta"][2] is None
+    assert comparison["beats"] == 1 and comparison["points"] == 2 and comparison["out_of_range"] == 1
+    assert comparison["mean_delta"] == pytest.approx((0.05 - 0.10) / 2)
+    # by depth: (30, 100%) -> (20, 80%) -> (10, 60%)
+    by_depth = versus_random(systems, "depth")["cosine"]
+    assert by_depth["delta"][:2] == pytest.approx([0.95 - 0.92, 0.60 - 0.68]) and by_depth["delta"][2] is None
+    assert versus_random([system("river", 1.2, 0.9, 20)]) == {}  # no random systems: nothing to compare with
 
 
 def test_strategy_bench_reports_every_strategy_at_two_taus(strategy_run):

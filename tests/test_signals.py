@@ -16,6 +16,7 @@ from river_hf.signals import (
     EXIT_SIGNALS,
     Cosine,
     CosineAtOneLayer,
+    PreviousConfidence,
     RandomExit,
     UpdateNorm,
     make_signal,
@@ -204,7 +205,8 @@ def test_random_in_the_router_keeps_the_routers_rules():
 
 # ---- the factory -------------------------------------------------------------------------------------------------
 def test_make_signal_builds_each_named_signal():
-    kinds = {"cosine": Cosine, "cosine_first": CosineAtOneLayer, "update_norm": UpdateNorm, "random": RandomExit}
+    kinds = {"cosine": Cosine, "cosine_first": CosineAtOneLayer, "update_norm": UpdateNorm, "random": RandomExit,
+             "confidence": PreviousConfidence}
     assert set(kinds) == set(EXIT_SIGNALS)
     for name, cls in kinds.items():
         assert type(make_signal(RiverSettings(tau=0.9, exit_signal=name, exit_rate=0.5), num_layers=6)) is cls
@@ -252,7 +254,7 @@ def test_random_signal_end_to_end(prompt_ids):
 
 
 @pytest.mark.parametrize("signal", [dict(exit_signal="cosine", tau=1.5), dict(exit_signal="cosine_first", tau=1.5),
-                                    dict(exit_signal="update_norm", tau=1.5),
+                                    dict(exit_signal="update_norm", tau=1.5), dict(exit_signal="confidence", tau=1.5),
                                     dict(exit_signal="random", exit_rate=0.0, seed=0)],
                          ids=lambda signal: signal["exit_signal"])
 def test_every_signal_that_never_exits_is_the_backbone(signal, prompt_ids):
@@ -279,3 +281,43 @@ def test_cosine_first_and_update_norm_end_to_end(prompt_ids):
     out = generate(model, prompt_ids, tau=0.0, exit_signal="update_norm", max_new_tokens=24)
     assert out.cache.exit_depth.min() >= START
     out.cache.check_kv_integrity()
+
+
+# ---- confidence: the previous token's top-1 probability ------------------------------------------------------------
+def test_confidence_decides_once_at_the_first_eligible_depth_from_the_last_pass():
+    from river_hf.layers import StepState
+    from river_hf.signals import PreviousConfidence
+
+    signal, state = PreviousConfidence(tau=0.6), StepState()
+    signal.step_state = state
+    signal.begin_step(is_prefill=False, min_depth=2)
+    assert not signal.decide(2, None, None, None)  # no previous pass yet
+    state.last_confidence = torch.tensor([0.9, 0.7])
+    assert signal.decide(2, None, None, None) and not signal.decide(3, None, None, None)
+    state.last_confidence = torch.tensor([0.9, 0.5])  # batch min
+    assert not signal.decide(2, None, None, None)
+    signal.begin_step(is_prefill=True, min_depth=2)
+    state.last_confidence = torch.tensor([1.0, 1.0])
+    assert not signal.decide(2, None, None, None)  # a prompt has no previous token
+
+
+def test_confidence_end_to_end_exits_exactly_after_confident_steps(prompt_ids):
+    """Step t exits (at the first eligible depth) iff every row's top-1 probability at step t-1 exceeded tau."""
+    model = river_model()
+    probe = generate(model, prompt_ids, max_new_tokens=16, output_logits=True)  # the backbone's confidences
+    confidences = torch.stack([torch.softmax(step.float(), -1).amax(-1).min() for step in probe.logits])
+    tau = confidences.median().item()
+    out = generate(model, prompt_ids, tau=tau, exit_signal="confidence", max_new_tokens=16, output_logits=True)
+    seen = torch.stack([torch.softmax(step.float(), -1).amax(-1).min() for step in out.logits])
+    depths = out.cache.exit_depth[0, out.cache.prompt_length:]
+    assert depths.tolist() == [START if conf > tau else 6 for conf in seen[:-1].tolist()]
+    assert {START, 6} <= set(depths.tolist())
+    assert (out.cache.exit_depth[:, :out.cache.prompt_length] == 6).all()
+
+
+def test_remove_river_removes_the_confidence_hook(prompt_ids):
+    model = river_model()
+    head = model.get_output_embeddings()
+    assert len(head._forward_hooks) == 1
+    river_hf.remove_river(model)
+    assert len(head._forward_hooks) == 0

@@ -208,7 +208,8 @@ def finish_record(record: dict, model_id: str, device: str, prompt_source: str, 
                         "fidelity": settings["fidelity_prompts"]},
             "environment": {**started, "load_average_after": environment()["load_average"]},
             **record, "target": full_quant_target(record["systems"]),
-            "versus_random": versus_random(record["systems"])}
+            "versus_random": versus_random(record["systems"], "speed"),
+            "versus_random_at_equal_depth": versus_random(record["systems"], "depth")}
 
 
 def full_quant_target(systems: list[dict]) -> dict | None:
@@ -261,13 +262,20 @@ def markdown_table(record: dict) -> str:
     if target:
         lines += ["", f"full-quant (river, tau=-1) runs at {target['full_quant_vs_static_full_quant']:.2f}x the "
                       f"static full-quant model (target >= {target['target']}x: {'met' if target['met'] else 'NOT met'})"]
-    comparison = record.get("versus_random")
-    if comparison:
-        lines += ["", "against random routing at equal speed (match of the system minus the random curve's, "
-                      "interpolated at the system's speed):"]
-        lines += [f"- {name}: {_points(entry['delta'])} ({entry['beats']} of {entry['points']} points above the "
-                  f"curve; mean {_points(entry['mean_delta'])})" for name, entry in comparison.items()]
+    for key, what in (("versus_random", "speed"), ("versus_random_at_equal_depth", "mean exit depth")):
+        lines += _versus_random_lines(record.get(key), what)
     return "\n".join(lines)
+
+
+def _versus_random_lines(comparison: dict | None, what: str) -> list[str]:
+    if not comparison:
+        return []
+    lines = ["", f"against random routing at equal {what} (match of the system minus the random curve's, "
+                 f"interpolated at the system's {what}):"]
+    lines += [f"- {name}: {_points(entry['delta'])} ({entry['beats']} of {entry['points']} comparable points "
+                  f"above the curve" + ("" if entry["mean_delta"] is None else f"; mean {_points(entry['mean_delta'])}")
+                  + ")" for name, entry in comparison.items()]
+    return lines
 
 
 def strategy_table(record: dict) -> str:
@@ -286,40 +294,54 @@ def strategy_table(record: dict) -> str:
     return "\n".join(lines)
 
 
-def versus_random(systems: list[dict]) -> dict[str, dict]:
-    """Per exit signal: how much more faithful than random routing it is at the same speed.
+def versus_random(systems: list[dict], axis: str = "speed") -> dict[str, dict]:
+    """Per exit signal: how much more faithful than random routing it is at the same speed (axis="speed"), or at the
+    same mean exit depth (axis="depth": the same share of backbone layers, router overhead aside).
 
-    The random curve is (speed ratio, match) of the random-routing systems plus the backbone (1.0x, 100%), linearly
-    interpolated; a system faster than every random point is compared with the fastest one (flat extrapolation,
-    which flatters random: faster random routing only loses fidelity)."""
-    curve = sorted([(s["summary"]["speed_ratio"], s["fidelity"]["match"]) for s in systems if s["kind"] == "random"]
-                   + [(1.0, 1.0)])
+    The random curve is (x, match) of the random-routing systems plus the backbone (1.0x / full depth, 100%),
+    linearly interpolated. A system beyond the curve's fast end has no random system to compare with (random routing
+    exits at a uniformly drawn depth, so even p=1 keeps about half the layers on the backbone): its delta is None
+    and it is counted as `out_of_range`, not guessed."""
+    def x_of(system):  # oriented so that the backbone is the curve's slow end (smallest x)
+        return system["summary"]["speed_ratio"] if axis == "speed" else -system["summary"]["mean_exit_depth"]
+
+    backbone = next((s for s in systems if s["kind"] == "backbone"), None)
+    curve = sorted([(x_of(s), s["fidelity"]["match"]) for s in systems if s["kind"] == "random"]
+                   + ([(x_of(backbone), 1.0)] if backbone is not None else []))
     if len(curve) < 2:
         return {}
-    by_signal: dict[str, list[float]] = {}
+    by_signal: dict[str, list[float | None]] = {}
     for system in systems:
         if system["kind"] in ("river", "strategy") and system.get("signal"):
-            delta = system["fidelity"]["match"] - _interpolate(curve, system["summary"]["speed_ratio"])
-            system["fidelity"]["match_minus_random"] = delta
+            random_match = _interpolate(curve, x_of(system))
+            delta = None if random_match is None else system["fidelity"]["match"] - random_match
+            system["fidelity"][f"match_minus_random_at_equal_{axis}"] = delta
             label = system["signal"] if system["kind"] == "river" else f"{system['strategy']} ({system['signal']})"
             by_signal.setdefault(label, []).append(delta)
-    return {label: {"delta": deltas, "points": len(deltas), "beats": sum(d > 0 for d in deltas),
-                    "mean_delta": sum(deltas) / len(deltas)} for label, deltas in by_signal.items()}
+    return {label: _comparison(deltas) for label, deltas in by_signal.items()}
 
 
-def _interpolate(curve: list[tuple[float, float]], x: float) -> float:
+def _comparison(deltas: list[float | None]) -> dict:
+    compared = [d for d in deltas if d is not None]
+    return {"delta": deltas, "points": len(compared), "beats": sum(d > 0 for d in compared),
+            "out_of_range": len(deltas) - len(compared),
+            "mean_delta": sum(compared) / len(compared) if compared else None}
+
+
+def _interpolate(curve: list[tuple[float, float]], x: float) -> float | None:
+    """The curve's match at speed x; below its slowest point, its slowest point's; None beyond its fastest."""
     if x <= curve[0][0]:
         return curve[0][1]
     for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
         if x <= x1:
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else max(y0, y1)
-    return curve[-1][1]
+    return None
 
 
 def _points(values) -> str:
     if isinstance(values, list):
-        return ", ".join(f"{v * 100:+.1f} pp" for v in values)
-    return f"{values * 100:+.1f} pp"
+        return ", ".join(_points(v) for v in values)
+    return "faster than any random point" if values is None else f"{values * 100:+.1f} pp"
 
 
 def _ratio(value) -> str:

@@ -40,8 +40,9 @@ BACKBONE, FULL_QUANT, STATIC_FULL_QUANT = "backbone", "full-quant", "static-full
 SMOLLM2_STRATEGY_TAUS = (0.97, 0.985)
 STRATEGY_GRID_QUANTILES = (0.25, 0.75)
 # The random-routing baseline's exit rates (share of decoded tokens sent to the twins at a random layer).
-EXIT_RATES = (0.2, 0.4, 0.6, 0.8, 0.9)
-QUICK_EXIT_RATES = (0.3, 0.7)
+# p=1 still keeps about half the layers on the backbone (the exit depth is uniform), so the curve ends near 1.25x.
+EXIT_RATES = (0.2, 0.4, 0.6, 0.8, 1.0)
+QUICK_EXIT_RATES = (0.3, 0.6, 1.0)
 
 
 @dataclass
@@ -140,11 +141,15 @@ def default_taus(river_model: nn.Module, inputs: dict, packaged: bool, quick: bo
 @torch.no_grad()
 def layer_similarities(river_model: nn.Module, inputs: dict, signal: str = "cosine",
                        signal_layer: int | None = None) -> torch.Tensor:
-    """The exit signal's score (cos(h_in, h_out), or 1 - |h_out - h_in| / |h_in| for "update_norm") of every layer
+    """The exit signal's score (cos(h_in, h_out); 1 - |h_out - h_in| / |h_in| for "update_norm"; the top-1
+    probability for "confidence", once per position) of every layer
     that may exit (layer index >= start_layer - 1, not the last; "cosine_first": only its one layer) at every position
     of one prompt, run on the backbone: a flat float32 tensor, the value the router thresholds."""
     start_layer = next(layer.layer_idx for layer in river_layers(river_model) if layer.twin is not None)
-    states = river_model(**inputs, output_hidden_states=True).hidden_states  # num_layers + 1 of [1, T, D]
+    output = river_model(**inputs, output_hidden_states=True)
+    if signal == "confidence":  # the top-1 probability at every position
+        return torch.softmax(output.logits[0].float(), dim=-1).amax(dim=-1)
+    states = output.hidden_states  # num_layers + 1 of [1, T, D]
     depths = range(start_layer, len(states) - 1)  # depth d: the output of layer d - 1
     if signal == "cosine_first":
         depths = [max(signal_layer or start_layer, start_layer)]
