@@ -181,6 +181,8 @@ def test_versus_random_interpolates_the_random_curve_at_equal_speed_or_depth():
     assert comparison["delta"][:2] == pytest.approx([0.95 - 0.90, 0.60 - 0.70]) and comparison["delta"][2] is None
     assert comparison["beats"] == 1 and comparison["points"] == 2 and comparison["out_of_range"] == 1
     assert comparison["mean_delta"] == pytest.approx((0.05 - 0.10) / 2)
+    # the point past the curve (3.0x) is more faithful than the curve's fastest point (2.0x, 60%): it dominates it
+    assert comparison["dominates_fastest_random"] == pytest.approx([0.70 - 0.60])
     # by depth: (30, 100%) -> (20, 80%) -> (10, 60%)
     by_depth = versus_random(systems, "depth")["cosine"]
     assert by_depth["delta"][:2] == pytest.approx([0.95 - 0.92, 0.60 - 0.68]) and by_depth["delta"][2] is None

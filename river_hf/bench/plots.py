@@ -159,7 +159,7 @@ def precisions_figure(records: list[dict]) -> Figure:
     """Several bench records (one twin precision each) on one speed-vs-match plane: per record, its cosine tau sweep
     (line), its full-quantization point (diamond) and its random-routing curve (dashed). Each record's ratios are to
     the backbone measured in its own run."""
-    figure = Figure(figsize=(7.5, 5.5), dpi=110)
+    figure = Figure(figsize=(11, 5.5), dpi=110)
     ax = figure.add_subplot()
     for record, color in zip(records, PRECISION_COLORS):
         label = short_twin_label(record["twins"])
@@ -182,7 +182,7 @@ def precisions_figure(records: list[dict]) -> Figure:
     ax.set_xlabel("teacher-forced next-token match vs backbone")
     ax.set_ylabel("decode speed / backbone (each run's own backbone)")
     ax.xaxis.set_major_formatter(PercentFormatter(xmax=1.0))
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # outside: the points stay visible
     model = records[0]["model"]["id"] if records else ""
     figure.suptitle(f"{model}: speed vs fidelity per twin precision", fontsize=9)
     figure.tight_layout()

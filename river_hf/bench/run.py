@@ -273,9 +273,16 @@ def _versus_random_lines(comparison: dict | None, what: str) -> list[str]:
     lines = ["", f"against random routing at equal {what} (match of the system minus the random curve's, "
                  f"interpolated at the system's {what}):"]
     lines += [f"- {name}: {_points(entry['delta'])} ({entry['beats']} of {entry['points']} comparable points "
-                  f"above the curve" + ("" if entry["mean_delta"] is None else f"; mean {_points(entry['mean_delta'])}")
-                  + ")" for name, entry in comparison.items()]
+              f"above the curve" + ("" if entry["mean_delta"] is None else f"; mean {_points(entry['mean_delta'])}")
+              + _dominance(entry.get("dominates_fastest_random")) + ")" for name, entry in comparison.items()]
     return lines
+
+
+def _dominance(margins: list[float] | None) -> str:
+    if not margins:
+        return ""
+    return (f"; {len(margins)} point(s) beyond the curve are also more faithful than its fastest point, by "
+            + ", ".join(f"{m * 100:+.1f} pp" for m in margins))
 
 
 def strategy_table(record: dict) -> str:
@@ -311,14 +318,19 @@ def versus_random(systems: list[dict], axis: str = "speed") -> dict[str, dict]:
     if len(curve) < 2:
         return {}
     by_signal: dict[str, list[float | None]] = {}
+    dominating: dict[str, list[float]] = {}
     for system in systems:
         if system["kind"] in ("river", "strategy") and system.get("signal"):
-            random_match = _interpolate(curve, x_of(system))
-            delta = None if random_match is None else system["fidelity"]["match"] - random_match
+            x, match = x_of(system), system["fidelity"]["match"]
+            random_match = _interpolate(curve, x)
+            delta = None if random_match is None else match - random_match
             system["fidelity"][f"match_minus_random_at_equal_{axis}"] = delta
             label = system["signal"] if system["kind"] == "river" else f"{system['strategy']} ({system['signal']})"
             by_signal.setdefault(label, []).append(delta)
-    return {label: _comparison(deltas) for label, deltas in by_signal.items()}
+            if random_match is None and match > curve[-1][1]:  # beyond the curve AND more faithful than its end
+                dominating.setdefault(label, []).append(match - curve[-1][1])
+    return {label: {**_comparison(deltas), "dominates_fastest_random": dominating.get(label, [])}
+            for label, deltas in by_signal.items()}
 
 
 def _comparison(deltas: list[float | None]) -> dict:
