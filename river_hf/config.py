@@ -45,7 +45,8 @@ class RiverQuantConfig(QuantizationConfigMixin):
     axis: int = field(default=1, metadata={"help": "HQQ quantization axis; only 1 (groups along the input dimension)."})
     start_layer: int = field(
         default=1,
-        metadata={"help": "L_s: the first decoder layer that has a twin. Tokens run at least this many backbone layers."},
+        metadata={"help": "L_s: the first decoder layer that has a twin; tokens run at least this many backbone "
+                  "layers."},
     )
     skip_modules: list[str] = field(
         default_factory=list,

@@ -1,4 +1,4 @@
-"""`from_pretrained(..., quantization_config=RiverQuantConfig(...))`: river_hf's quantizer, registered with transformers.
+"""`from_pretrained(..., quantization_config=RiverQuantConfig(...))`: river_hf's quantizer, registered in transformers.
 
 The backbone loads as usual (full precision); once its weights are in (and tied: transformers ties the embeddings
 before this hook), the quantizer builds the river, with the config's bit schedule and quantized LM head if any.

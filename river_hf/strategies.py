@@ -7,7 +7,7 @@ call (it may hold per-call state: recompute's pending tokens).
 | strategy            | a skipped layer ...                                          | K/V of an exited token there |
 |---------------------|--------------------------------------------------------------|------------------------------|
 | `river`             | runs its quantized twin (same cache slot)                    | written now, by the twin     |
-| `recompute`         | is skipped; the token's hidden state waits                   | written later, exactly, when a deeper token runs the layer (EE-LLM) |
+| `recompute`         | is skipped; the token's hidden state waits (EE-LLM)          | written later, exactly       |
 | `state_propagation` | computes only K/V, from the exit layer's hidden state (CALM) | written now, approximate     |
 | `mask`              | writes a placeholder; later tokens never attend to it (D-LLM)| absent (masked)              |
 | `mono_decreasing`   | is skipped; later tokens may not go deeper (SkipDecode)      | never needed                 |
@@ -130,7 +130,7 @@ class Mask(KVStrategy):
 
 
 def placeholder_kv(shape, like: torch.Tensor) -> torch.Tensor:
-    """What the mask strategy writes for a skipped position. Never attended; tests replace it with garbage to prove it."""
+    """What the mask strategy writes for a skipped position. Never attended: tests put garbage here to prove it."""
     return torch.zeros(shape, dtype=like.dtype, device=like.device)
 
 

@@ -25,7 +25,7 @@ from river_hf.signals import (
 )
 
 from conftest import mixed_tau, tiny_model
-from test_router import states_with_cosines
+from test_router import run_step, states_with_cosines
 
 PASS, FAIL = states_with_cosines([0.99]), states_with_cosines([0.5])  # against tau = 0.9
 
@@ -73,15 +73,6 @@ def test_cosine_first_defaults_to_the_first_eligible_depth_and_is_lifted_to_it()
     assert decode_step(CosineAtOneLayer(0.9), min_depth=2).decision_depth == 2
     assert decode_step(CosineAtOneLayer(0.9, signal_layer=1), min_depth=3).decision_depth == 3
     assert decode_step(CosineAtOneLayer(0.9, signal_layer=4), min_depth=3).decision_depth == 4
-
-
-def run_step(router, cosines_per_layer, num_new_tokens=1, first=False):
-    router.begin_step(num_new_tokens, is_first_step=first)
-    for layer_idx, cosines in enumerate(cosines_per_layer):
-        if router.exited:
-            break
-        router.observe(layer_idx, *states_with_cosines(cosines))
-    return router.depth
 
 
 def test_cosine_first_in_the_router_never_exits_after_a_failed_check():

@@ -15,7 +15,7 @@ from river_hf.generation import new_river_cache
 from river_hf.router import ExitRouter
 from river_hf.strategies import KV_STRATEGIES
 
-from conftest import mixed_tau, tiny_model
+from conftest import tiny_model
 
 LAYERS = 6
 FULL_ATTENTION_ONLY = ("recompute", "mask")

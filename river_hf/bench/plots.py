@@ -132,7 +132,8 @@ def exit_depth_figure(record: dict) -> Figure:
         counts = {int(depth): n for depth, n in system["summary"]["exit_depth_histogram"].items()}
         total = sum(counts.values()) or 1
         depths = range(1, num_layers + 1)
-        ax.bar(depths, [counts.get(d, 0) / total for d in depths], color=COLORS.get(system["kind"], STRATEGY_COLORS.get(system.get("strategy"), "tab:gray")), width=0.8)
+        color = COLORS.get(system["kind"], STRATEGY_COLORS.get(system.get("strategy"), "tab:gray"))
+        ax.bar(depths, [counts.get(d, 0) / total for d in depths], color=color, width=0.8)
         ax.set_ylim(0, 1)
         name = {"full-quant": "full-quant\n", "strategy": f"{system.get('strategy')}\n"}.get(system["kind"], "")
         ax.set_ylabel(f"{name}τ={system['tau']:g}\nmean {system['summary']['mean_exit_depth']:.1f}", rotation=0,

@@ -166,7 +166,8 @@ def _fidelity_record(fidelity: Fidelity | None) -> dict:
 def run_record(run: Timing, index: int, num_prompts: int) -> dict:
     """One timed generate call; runs go prompt by prompt, round after round."""
     return {"round": index // num_prompts, "prompt": index % num_prompts, "new_tokens": run.new_tokens,
-            "prefill_s": run.prefill_s, "decode_s": run.decode_s, "decode_tokens_per_s": run.decode_tokens_per_s, "token_times_s": run.token_times,
+            "prefill_s": run.prefill_s, "decode_s": run.decode_s, "decode_tokens_per_s": run.decode_tokens_per_s,
+            "token_times_s": run.token_times,
             "token_ids": run.token_ids, "exit_depths": run.exit_depths, "mean_exit_depth": run.mean_exit_depth,
             "cuda_peak_bytes": run.cuda_peak_bytes, "layer_seconds": run.layer_seconds}
 
@@ -260,8 +261,9 @@ def markdown_table(record: dict) -> str:
                      f"{vs_static} | {sm['prefill_ms']:.0f} | {depth} | {fid['match']:.1%} | {fid['kl']:.4f} |")
     target = record.get("target")
     if target:
+        met = "met" if target["met"] else "NOT met"
         lines += ["", f"full-quant (river, tau=-1) runs at {target['full_quant_vs_static_full_quant']:.2f}x the "
-                      f"static full-quant model (target >= {target['target']}x: {'met' if target['met'] else 'NOT met'})"]
+                      f"static full-quant model (target >= {target['target']}x: {met})"]
     for key, what in (("versus_random", "speed"), ("versus_random_at_equal_depth", "mean exit depth")):
         lines += _versus_random_lines(record.get(key), what)
     return "\n".join(lines)
