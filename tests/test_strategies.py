@@ -15,7 +15,7 @@ from river_hf.generation import new_river_cache
 from river_hf.router import ExitRouter
 from river_hf.strategies import KV_STRATEGIES
 
-from conftest import tiny_model
+from conftest import ARCHITECTURES, tiny_model
 
 LAYERS = 6
 FULL_ATTENTION_ONLY = ("recompute", "mask")
@@ -228,3 +228,22 @@ def test_mono_decreasing_depths_never_increase_and_deeper_kv_is_a_prefix(arch, p
     if arch == "llama":
         for idx, layer in enumerate(cache.layers):
             assert layer.get_seq_length() == int((depths > idx).sum())
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("strategy", KV_STRATEGIES)
+def test_every_strategy_keeps_its_kv_invariant_on_every_architecture(arch, strategy, prompt_ids):
+    """Random exits (seeded): the cache holds what the strategy promises, and after a flush every position."""
+    model = river_of(tiny_model(arch))
+    config = dict(tau=0.5, exit_signal="random", exit_rate=0.6, seed=0, kv_strategy=strategy, max_new_tokens=12)
+    if arch == "gemma3" and strategy in FULL_ATTENTION_ONLY:
+        with pytest.raises(ValueError, match="needs full attention in every layer"):
+            generate(model, prompt_ids, **config)
+        return
+    cache = generate(model, prompt_ids, **config).cache
+    assert (decoded_depths(cache) < LAYERS).any()
+    cache.check_kv_integrity()
+    cache.flush_pending()
+    cache.check_kv_integrity()
+    if strategy != "mono_decreasing":  # the only strategy whose deeper layers stay short by design
+        assert all(layer.get_seq_length() == cache.recorded_length for layer in cache.layers)
