@@ -67,6 +67,11 @@ def _add_river_args(parser: argparse.ArgumentParser) -> None:
                        help="Exit threshold on cos(h_in, h_out) of a backbone layer: > 1 never exits, -1 exits as "
                             "early as allowed; 'auto' reads the tau `river-hf calibrate` saved for this model and "
                             "twin configuration (default: %(default)s; see README 'Choosing tau').")
+    group.add_argument("--exit-signal", default="cosine", choices=[n for n in EXIT_SIGNALS if n != "random"],
+                       help="What decides an exit (default: %(default)s, the paper's; README 'Exit signals').")
+    group.add_argument("--kv-strategy", default="river", choices=KV_STRATEGIES,
+                       help="What skipped layers do about their K/V (default: %(default)s; the others are the "
+                            "baselines of README 'KV strategies').")
     group.add_argument("--no-river", action="store_true", help="Run the plain backbone: no twins, no exits.")
     _add_twin_args(parser)  # the same twin options as bench/calibrate, so `--tau auto` finds their calibrations
 
@@ -96,7 +101,8 @@ def _river_configs(args: argparse.Namespace, **generation_kwargs):
             return None, GenerationConfig(**generation_kwargs)
         quant_config = _twin_config(args)
         args.tau = _resolve_tau(args, quant_config)  # `--tau auto` becomes the calibrated value
-        return quant_config, RiverConfig(tau=args.tau, **generation_kwargs)
+        return quant_config, RiverConfig(tau=args.tau, exit_signal=args.exit_signal, kv_strategy=args.kv_strategy,
+                                         **generation_kwargs)
     except ValueError as error:
         raise CLIError(str(error)) from error
 

@@ -64,6 +64,13 @@ def test_river_that_never_exits(tiny_model_dir, capsys):
     assert "0% of tokens exited early" in line
 
 
+def test_generate_with_another_signal_and_kv_strategy(tiny_model_dir, capsys):
+    assert generate(tiny_model_dir, "--tau", "-1", "--exit-signal", "confidence", "--kv-strategy", "mask") == 0
+    line = summary_line(capsys.readouterr().out)
+    # tau=-1: every decode step exits at the mask strategy's minimum exit layer, half the layers
+    assert f"mean exit depth {NUM_LAYERS // 2:.1f} of {NUM_LAYERS} layers" in line
+
+
 def test_show_exits_colours_each_token(tiny_model_dir, capsys, monkeypatch):
     monkeypatch.delenv("NO_COLOR", raising=False)
     assert generate(tiny_model_dir, "--tau", "-1", "--start-layer", "2", "--show-exits", tokens=6) == 0
