@@ -11,7 +11,8 @@ the first decoder layer opens it (`begin_step`), every backbone layer reports it
   chosen from each row's mean similarity over its real (unpadded) tokens, again taking the batch minimum;
   or a fixed layer (`prefill_exit=int`), or none (`prefill_exit="none"`).
 
-What decides is the router's `signal` (`exit_signal`: "cosine", "cosine_first", "update_norm", "random"; see
+What decides is the router's `signal` (`exit_signal`: "cosine", "cosine_first", "update_norm", "confidence",
+"random"; see
 `river_hf.signals`). The router keeps the rules every signal obeys: no exit before `min_depth` backbone layers nor
 at the last layer, a forced exit at `depth_cap`, and the fixed prefill exits.
 """
@@ -47,14 +48,6 @@ class RiverSettings:
     exit_rate: float | None = None  # "random" signal only: share of decoded tokens that exit
     seed: int | None = None  # "random" signal only
     signal_layer: int | None = None  # "cosine_first" only: the depth at which the single decision is made
-
-    @property
-    def never_exits(self) -> bool:
-        return self.tau > 1.0  # a cosine never exceeds 1
-
-    @property
-    def always_exits(self) -> bool:
-        return self.tau <= -1.0  # "exit as early as allowed": no need to compute a similarity
 
 
 class ExitRouter:

@@ -103,12 +103,17 @@ class Mask(KVStrategy):
     def __init__(self, layers, model_config=None):
         super().__init__(layers, model_config)
         _require_full_attention(self.name, layers, model_config)
+        self.shallowest = self.num_layers  # the smallest exit depth recorded so far: layers below it mask nothing
 
     def default_min_exit_depth(self, start_layer: int) -> int:
         return max(start_layer, self.num_layers // 2)
 
+    def begin_step(self, cache, router) -> None:
+        if cache.recorded_length:  # once per step, not once per layer
+            self.shallowest = int(cache.exit_depth.min())
+
     def run_backbone(self, layer, hidden_states, args, kwargs, cache):
-        if cache.recorded_length and bool((cache.exit_depth <= layer.layer_idx).any()):
+        if cache.recorded_length and layer.layer_idx >= self.shallowest:
             kwargs = {**kwargs, "attention_mask": self._mask_skipped(layer.layer_idx, kwargs, cache, hidden_states)}
         return layer.base_layer(hidden_states, *args, **kwargs)
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from ..generation import RiverConfig, new_river_cache
+from ..cache import RiverCache
+from ..generation import RiverConfig
 
 
 class TokenClock(BaseStreamer):
@@ -67,8 +68,8 @@ def time_generate(model, inputs: dict, generation_config, profile: bool = False)
     generation_config = copy.deepcopy(generation_config)  # the caller's config stays as it was
     generation_config.return_dict_in_generate = True  # for the cache and its exit record
     extra = {}
-    if profile and isinstance(generation_config, RiverConfig):
-        extra["cache"] = new_river_cache(model, generation_config.river_settings(), inputs.get("attention_mask"))
+    if profile and isinstance(generation_config, RiverConfig):  # generate gives it its router and strategy
+        extra["cache"] = RiverCache(config=model.config.get_text_config(decoder=True))
         extra["cache"].profile = True
     out = model.generate(**inputs, generation_config=generation_config, streamer=clock, **extra)
     times = [t - clock.start for t in clock.token_times]
