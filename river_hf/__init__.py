@@ -10,9 +10,11 @@ from .cache import KVIntegrityError, RiverCache
 from .config import RiverQuantConfig
 from .generation import RiverConfig, RiverGenerationMixin
 from .hf_integration import register_with_transformers
-from .layers import RiverLayer
+from .layers import RiverLayer, river_layers
 from .lm_head import RiverLMHead
-from .patching import build_river, is_river, remove_river, river_layers
+from .patching import build_river, is_river, remove_river
+from .settings import RiverSettings
+from .signals import ExitSignal, register_signal
 
 register_with_transformers()
 
@@ -24,6 +26,9 @@ __all__ = [
     "RiverLMHead",
     "RiverLayer",
     "RiverQuantConfig",
+    "RiverSettings",
+    "ExitSignal",
+    "register_signal",
     "UnsupportedModelError",
     "build_river",
     "is_river",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 
@@ -58,6 +59,17 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
     for idx, layer in enumerate(layers):
         check_layer_idx(layer, idx, type(model).__name__)
     return layers
+
+
+def hidden_of(layer_output) -> torch.Tensor:
+    """Decoder layers return the hidden state, or (in some architectures/versions) a tuple starting with it."""
+    return layer_output[0] if isinstance(layer_output, (tuple, list)) else layer_output
+
+
+def output_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's LM head (`get_output_embeddings()`), or None when it has none."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    return get_head() if callable(get_head) else None
 
 
 def layer_cache_index(layer: nn.Module) -> int | None:

@@ -17,11 +17,12 @@ import torch
 from transformers import GenerationConfig, TextStreamer, set_seed
 
 from .config import RiverQuantConfig, bits_label
-from .generation import DEFAULT_TAU, RiverConfig
+from .generation import RiverConfig
+from .settings import DEFAULT_TAU
 from .models import build_chat_inputs, load_model_and_tokenizer
 from .patching import build_river
-from .signals import EXIT_SIGNALS
-from .strategies import KV_STRATEGIES
+from .signals import signal_names
+from .strategies import strategy_names
 
 
 
@@ -67,9 +68,9 @@ def _add_river_args(parser: argparse.ArgumentParser) -> None:
                        help="Exit threshold on cos(h_in, h_out) of a backbone layer: > 1 never exits, -1 exits as "
                             "early as allowed; 'auto' reads the tau `river-hf calibrate` saved for this model and "
                             "twin configuration (default: %(default)s; see README 'Choosing tau').")
-    group.add_argument("--exit-signal", default="cosine", choices=[n for n in EXIT_SIGNALS if n != "random"],
+    group.add_argument("--exit-signal", default="cosine", choices=[n for n in signal_names() if n != "random"],
                        help="What decides an exit (default: %(default)s, the paper's; README 'Exit signals').")
-    group.add_argument("--kv-strategy", default="river", choices=KV_STRATEGIES,
+    group.add_argument("--kv-strategy", default="river", choices=strategy_names(),
                        help="What skipped layers do about their K/V (default: %(default)s; the others are the "
                             "baselines of README 'KV strategies').")
     group.add_argument("--no-river", action="store_true", help="Run the plain backbone: no twins, no exits.")
@@ -575,7 +576,7 @@ def _add_bench_parser(subparsers) -> None:
     parser.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
     signals = parser.add_argument_group("exit signals and the random-routing baseline")
     signals.add_argument("--signals", nargs="+", default=[], metavar="NAME",
-                         choices=[name for name in EXIT_SIGNALS if name not in ("cosine", "random")],
+                         choices=[name for name in signal_names() if name not in ("cosine", "random")],
                          help="Exit signals to sweep besides the paper's cosine, each at quantiles of its own "
                               "scores (or --signal-taus).")
     signals.add_argument("--signal-taus", type=float, nargs="+", default=None, metavar="T",
@@ -589,9 +590,9 @@ def _add_bench_parser(subparsers) -> None:
     signals.add_argument("--seed", type=int, default=0, help="Seed of the random routing (default: %(default)s).")
     strategies = parser.add_argument_group("KV strategies (the paper's Fig. 3)")
     strategies.add_argument("--strategies", nargs="+", default=None, metavar="NAME",
-                            choices=["all", *KV_STRATEGIES],
+                            choices=["all", *strategy_names()],
                             help="Instead of the tau sweep: the backbone and each KV strategy ('all': "
-                                 f"{', '.join(KV_STRATEGIES)}) at two thresholds, with where the decode time goes.")
+                                 f"{', '.join(strategy_names())}) at two thresholds, with where the decode time goes.")
     strategies.add_argument("--strategy-taus", type=float, nargs=2, default=None, metavar=("RELAXED", "STRICT"),
                             help="The two thresholds (default: 0.97 0.985 for the packaged SmolLM2, else the 25%% "
                                  "and 75%% quantiles of the model's layer similarities).")
@@ -642,7 +643,7 @@ def _bench_systems(args: argparse.Namespace, model, inputs: dict, settings, pack
 
     fixed = systems.fixed_length(settings.max_new_tokens)
     if args.strategies:
-        names = list(KV_STRATEGIES) if "all" in args.strategies else list(dict.fromkeys(args.strategies))
+        names = list(strategy_names()) if "all" in args.strategies else list(dict.fromkeys(args.strategies))
         taus = args.strategy_taus or systems.strategy_taus(model, inputs, packaged)
         return [systems.reference_systems(None, fixed)[0], *systems.strategy_systems(names, taus, fixed)]
     taus = args.taus if args.taus is not None else systems.default_taus(model, inputs, packaged, args.quick)

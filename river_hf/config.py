@@ -13,11 +13,11 @@ only the steps which left the backbone use (river_hf.lm_head).
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .checks import check_choice, is_int
 from .quantize import BACKENDS, SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS, backend_nbits
 
 RIVER_QUANT_METHOD = "river"
@@ -81,12 +81,12 @@ class RiverQuantConfig(QuantizationConfigMixin):
                                      f"(entry {index} is the twin of river layer start_layer + {index}).")
             self.nbits = [int(bits) for bits in self.nbits]
         else:
-            _check_choice("nbits", self.nbits, SUPPORTED_NBITS)
-        _check_choice("group_size", self.group_size, SUPPORTED_GROUP_SIZES)
-        _check_choice("axis", self.axis, (1,))  # the kernels need groups along the input dimension
-        _check_choice("backend", self.backend, BACKENDS)
-        _check_choice("quant_method", self.quant_method, (RIVER_QUANT_METHOD,))
-        if not _is_int(self.start_layer) or self.start_layer < 1:
+            check_choice("nbits", self.nbits, SUPPORTED_NBITS)
+        check_choice("group_size", self.group_size, SUPPORTED_GROUP_SIZES)
+        check_choice("axis", self.axis, (1,))  # the kernels need groups along the input dimension
+        check_choice("backend", self.backend, BACKENDS)
+        check_choice("quant_method", self.quant_method, (RIVER_QUANT_METHOD,))
+        if not is_int(self.start_layer) or self.start_layer < 1:
             raise ValueError(
                 f"`start_layer` must be an integer >= 1 (layer 0 always runs on the backbone, its similarity is the "
                 f"first exit signal); got {self.start_layer!r}."
@@ -96,7 +96,7 @@ class RiverQuantConfig(QuantizationConfigMixin):
         self.skip_modules = list(self.skip_modules)
         if not isinstance(self.quantize_lm_head, bool):
             raise ValueError(f"`quantize_lm_head` must be True or False; got {self.quantize_lm_head!r}.")
-        _check_choice("lm_head_nbits", self.lm_head_nbits, SUPPORTED_NBITS)
+        check_choice("lm_head_nbits", self.lm_head_nbits, SUPPORTED_NBITS)
         self._check_backend_runs_every_width()
 
     def _check_backend_runs_every_width(self) -> None:
@@ -122,12 +122,12 @@ class RiverQuantConfig(QuantizationConfigMixin):
             RiverQuantConfig.schedule(num_layers=30, first_layers=8)  # layers 1-8: 8-bit, 9-29: 4-bit
         """
         for name, value in (("num_layers", num_layers), ("start_layer", start_layer)):
-            if not _is_int(value):
+            if not is_int(value):
                 raise ValueError(f"`{name}` must be an integer; got {value!r}.")
         river_layers = num_layers - start_layer
         if river_layers < 1:
             raise ValueError(f"`num_layers`={num_layers} leaves no river layer after `start_layer`={start_layer}.")
-        if not _is_int(first_layers) or not 0 <= first_layers <= river_layers:
+        if not is_int(first_layers) or not 0 <= first_layers <= river_layers:
             raise ValueError(f"`first_layers` must be an integer between 0 and {river_layers} (the river layers "
                              f"{start_layer}..{num_layers - 1}); got {first_layers!r}.")
         nbits = [first_bits] * first_layers + [rest_bits] * (river_layers - first_layers)
@@ -144,7 +144,7 @@ class RiverQuantConfig(QuantizationConfigMixin):
 
     def nbits_for(self, layer_idx: int) -> int:
         """The bits of decoder layer `layer_idx`'s twin (layer_idx >= start_layer)."""
-        if not _is_int(layer_idx) or layer_idx < self.start_layer:
+        if not is_int(layer_idx) or layer_idx < self.start_layer:
             raise ValueError(f"layer {layer_idx!r} has no twin: the river starts at `start_layer`={self.start_layer}.")
         if not self.is_schedule:
             return self.nbits
@@ -188,16 +188,6 @@ class RiverQuantConfig(QuantizationConfigMixin):
 
 def _plain(value):
     return list(value) if isinstance(value, (list, tuple)) else value  # a copy: the dict must not alias the config
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _check_choice(name: str, value, choices: tuple) -> None:
-    # bool is an int subclass: `nbits=True` must not pass as 1.
-    if isinstance(value, bool) or value not in choices:
-        raise ValueError(f"`{name}`={value!r} is not supported; choose one of {choices}.")
 
 
 def bits_label(nbits) -> str:

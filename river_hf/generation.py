@@ -9,73 +9,34 @@ untouched backbone: the layers see a plain cache and never call a twin.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 
 from transformers import GenerationConfig
 
 from .cache import RiverCache
 from .layers import backbone_layers, river_layers
 from .lm_head import original_lm_head
-from .router import EXIT_POLICIES, PREFILL_EXITS, ExitRouter, RiverSettings
-from .signals import EXIT_SIGNALS
-from .strategies import KV_STRATEGIES, make_strategy
-
-# Exit threshold on cos(h_in, h_out), chosen for the packaged SmolLM2-135M with 4-bit group-64 twins: the fastest tau
-# of a measured sweep whose teacher-forced next-token match stays >= 90% (README "Choosing tau"). The paper's
-# 0.5-0.9 suits Llama-3; on SmolLM2 it exits nearly every token after 2 layers.
-DEFAULT_TAU = 0.975
-RIVER_FIELDS = ("tau", "prefill_exit", "exit_policy", "kv_strategy", "min_exit_layer", "exit_signal", "exit_rate",
-                "seed", "signal_layer")
-
+from .router import ExitRouter
+from .settings import RIVER_FIELDS, RiverSettings, river_field_defaults, river_fields_doc
+from .strategies import make_strategy
 
 class RiverConfig(GenerationConfig):
-    """A `GenerationConfig` with the river's exit settings.
+    """A `GenerationConfig` with the river's exit settings (the fields of `river_hf.RiverSettings`, validated there).
+
+    Every other argument is a `GenerationConfig` argument (max_new_tokens, do_sample, num_beams, ...).
 
     Args:
-        tau (`float`, defaults to 0.975): exit threshold on s = cos(h_in, h_out) of a backbone layer. A value above 1
-            never exits (output equals the backbone); -1 exits as early as allowed (at `start_layer`: the paper's
-            "full quantization"). The paper's 0.5–0.9 suits Llama-3; models differ (see README "Choosing tau").
-        prefill_exit (`str` or `int`, defaults to "sequence"): how the prompt exits: "sequence" = one switch layer
-            for all prompt tokens, chosen by the same threshold on their mean similarity; "none" = full backbone;
-            an int = switch after that many backbone layers.
-        exit_policy (`str`, defaults to "batch_min"): how rows of a batch agree: "batch_min" = the batch exits when
-            every row's similarity exceeds tau (the paper's min over the batch).
-        kv_strategy (`str`, defaults to "river"): what the layers an exited token skips do about its K/V. "river" =
-            they run on the KV-sharing twins (the paper). The baselines, for comparison (README "KV strategies"):
-            "recompute", "state_propagation", "mask", "mono_decreasing"; they run the prompt on the full backbone.
-        min_exit_layer (`int`, *optional*): no token exits before this many backbone layers. Defaults to the
-            river's start layer, or half the layers for "mask" (which needs a minimum exit layer).
-        exit_signal (`str`, defaults to "cosine"): what decides an exit. "cosine" = cos(h_in, h_out) > tau after
-            each layer (the paper); "cosine_first" = decided once, at `signal_layer`; "update_norm" =
-            1 - |h_out - h_in| / |h_in| > tau; "confidence" = the previous token's top-1 probability > tau,
-            decided at the first eligible depth; "random" = no signal, for the honest baseline (needs `exit_rate`).
-        exit_rate (`float`, *optional*): with `exit_signal="random"`, the probability that a decoded token exits
-            (at a uniformly random eligible layer).
-        seed (`int`, *optional*): seed of the "random" signal's generator.
-        signal_layer (`int`, *optional*): with `exit_signal="cosine_first"`, the depth (backbone layers run) at
-            which the single decision is made; defaults to the first eligible depth.
-        kwargs: any `GenerationConfig` argument (max_new_tokens, do_sample, num_beams, ...).
+{fields}
     """
 
-    def __init__(self, tau: float = DEFAULT_TAU, prefill_exit: str | int = "sequence",
-                 exit_policy: str = "batch_min", kv_strategy: str = "river", min_exit_layer: int | None = None,
-                 exit_signal: str = "cosine", exit_rate: float | None = None, seed: int | None = None,
-                 signal_layer: int | None = None, **kwargs):
-        self.tau = tau
-        self.prefill_exit = prefill_exit
-        self.exit_policy = exit_policy
-        self.kv_strategy = kv_strategy
-        self.min_exit_layer = min_exit_layer
-        self.exit_signal = exit_signal
-        self.exit_rate = exit_rate
-        self.seed = seed
-        self.signal_layer = signal_layer
+    def __init__(self, **kwargs):
+        river = {name: kwargs.pop(name) for name in RIVER_FIELDS if name in kwargs}
+        for name, default in river_field_defaults().items():
+            setattr(self, name, river.get(name, default))
         super().__init__(**kwargs)  # ends with self.validate()
 
     def validate(self, *args, **kwargs):
         super().validate(*args, **kwargs)
-        validate_river_fields(self)
+        self.river_settings()  # raises ValueError naming a bad field
 
     def update(self, defaults_only=False, allow_custom_entries=False, **kwargs):
         # HF's `generate` merges the model's defaults into the config it was given with exactly these flags. A river
@@ -90,53 +51,10 @@ class RiverConfig(GenerationConfig):
         return super().update(defaults_only=defaults_only, allow_custom_entries=allow_custom_entries, **kwargs)
 
     def river_settings(self) -> RiverSettings:
-        return RiverSettings(tau=float(self.tau), **{name: getattr(self, name) for name in RIVER_FIELDS[1:]})
+        return RiverSettings.from_object(self)
 
 
-def validate_river_fields(config) -> None:
-    """Check tau / prefill_exit / exit_policy wherever they came from (a RiverConfig or a loaded GenerationConfig)."""
-    tau = getattr(config, "tau", None)
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or math.isnan(tau):
-        raise ValueError(
-            f"`tau` must be a real number (the exit threshold on cos(h_in, h_out): > 1 never exits, -1 exits as "
-            f"early as allowed); got {tau!r}."
-        )
-    prefill_exit = getattr(config, "prefill_exit", "sequence")
-    if not (prefill_exit in PREFILL_EXITS or (_is_int(prefill_exit) and prefill_exit >= 1)):
-        raise ValueError(
-            f"`prefill_exit`={prefill_exit!r} is not supported; use one of {PREFILL_EXITS} or an int >= 1 (the number "
-            f"of backbone layers every prompt token runs)."
-        )
-    exit_policy = getattr(config, "exit_policy", "batch_min")
-    if exit_policy not in EXIT_POLICIES:
-        raise ValueError(f"`exit_policy`={exit_policy!r} is not supported; choose one of {EXIT_POLICIES}.")
-    kv_strategy = getattr(config, "kv_strategy", "river")
-    if kv_strategy not in KV_STRATEGIES:
-        raise ValueError(f"`kv_strategy`={kv_strategy!r} is not supported; choose one of {KV_STRATEGIES}.")
-    _validate_signal_fields(config)
-    for name in ("min_exit_layer", "signal_layer"):
-        value = getattr(config, name, None)
-        if value is not None and not (_is_int(value) and value >= 1):
-            raise ValueError(f"`{name}` must be None or an int >= 1 (a number of backbone layers); got {value!r}.")
-
-
-def _validate_signal_fields(config) -> None:
-    exit_signal = getattr(config, "exit_signal", "cosine")
-    if exit_signal not in EXIT_SIGNALS:
-        raise ValueError(f"`exit_signal`={exit_signal!r} is not supported; choose one of {EXIT_SIGNALS}.")
-    exit_rate = getattr(config, "exit_rate", None)
-    if exit_signal == "random" and exit_rate is None:
-        raise ValueError("`exit_signal`='random' needs `exit_rate`: the probability (0 to 1) that a token exits.")
-    if exit_rate is not None and (isinstance(exit_rate, bool) or not isinstance(exit_rate, numbers.Real)
-                                  or not 0.0 <= exit_rate <= 1.0):
-        raise ValueError(f"`exit_rate` must be a probability between 0 and 1; got {exit_rate!r}.")
-    seed = getattr(config, "seed", None)
-    if seed is not None and not _is_int(seed):
-        raise ValueError(f"`seed` must be None or an int; got {seed!r}.")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+RiverConfig.__doc__ = RiverConfig.__doc__.replace("{fields}", river_fields_doc(indent="        "))
 
 
 def river_settings_from(generation_config, kwargs: dict, model_default=None) -> RiverSettings | None:
@@ -150,8 +68,7 @@ def river_settings_from(generation_config, kwargs: dict, model_default=None) -> 
     source = next((cfg for cfg in (generation_config, model_default) if getattr(cfg, "tau", None) is not None), None)
     if source is None and "tau" not in overrides:
         return None
-    fields = {name: getattr(source, name) for name in RIVER_FIELDS if hasattr(source, name)}
-    return RiverConfig(**{**fields, **overrides}).river_settings()
+    return RiverSettings.from_object(source, **overrides)
 
 
 def without_river_fields(generation_config):
@@ -200,9 +117,6 @@ def new_river_cache(model, settings: RiverSettings, attention_mask=None, cache: 
     router = ExitRouter(settings, start_layer=start_layer, num_layers=len(layers))
     router.min_depth = _min_exit_depth(settings, strategy, start_layer, len(layers))
     router.prompt_mask = attention_mask
-    if router.signal.needs_confidence:
-        router.signal.step_state = layers[0].step_state
-        layers[0].step_state.last_confidence = None  # a new call: no previous token yet
     if cache is None:
         cache = RiverCache(config=text_config, num_layers=len(layers))
     cache.router, cache.num_layers, cache.strategy = router, len(layers), strategy

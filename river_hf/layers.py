@@ -15,50 +15,30 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .architectures import find_decoder_layers
-from .cache import RiverCache
+from .architectures import find_decoder_layers, hidden_of
+from .passes import river_cache_of
 from .quantize import RiverQuantLinear
-from .signals import top1_probability
-from .strategies import KVStrategy
+from .strategies import RiverStrategy
 
-_RIVER = KVStrategy([])  # a RiverCache made by hand, with a router but no strategy, runs the river
-
-
-class StepState:
-    """Shared by a model's RiverLayers and anything else of the river outside the decoder (the LM head): the router
-    of the forward pass running now, or None when it is a plain backbone pass. Set by layer 0 at every pass."""
-
-    router = None
-    last_confidence = None  # [B] top-1 probability of the last river pass, for the "confidence" signal
-    hooks: list | None = None  # removable hooks build_river installed (on the output embedding)
-
-
-def record_confidence(step_state: StepState, module, args, output) -> None:
-    """Forward hook on the LM head: keep the top-1 probability of a river pass whose signal needs it."""
-    router = step_state.router
-    if router is not None and router.signal.needs_confidence:
-        step_state.last_confidence = top1_probability(output[0] if isinstance(output, tuple) else output)
+_RIVER = RiverStrategy([])  # a RiverCache made by hand, with a router but no strategy, runs the river
 
 
 class RiverLayer(nn.Module):
     """Dispatches one decoder layer to the backbone or its twin, as the step's `ExitRouter` decides."""
 
     def __init__(self, base_layer: nn.Module, twin: nn.Module | None, layer_idx: int, num_layers: int,
-                 quant_config=None, step_state: StepState | None = None):
+                 quant_config=None):
         super().__init__()
         self.base_layer = base_layer
         self.twin = twin
         self.layer_idx = layer_idx
         self.num_layers = num_layers
         self.quant_config = quant_config  # the RiverQuantConfig the twin was built with
-        self.step_state = step_state if step_state is not None else StepState()
+        self.pass_hooks: list = []  # layer 0 keeps the model-level hooks build_river installed (river_hf.passes)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        is_river_pass = isinstance(cache, RiverCache) and cache.router is not None
-        if self.layer_idx == 0:
-            self.step_state.router = cache.router if is_river_pass else None
-        if not is_river_pass:
+        cache = river_cache_of(kwargs)
+        if cache is None:
             return self.base_layer(hidden_states, *args, **kwargs)  # plain generate: the untouched backbone
         router, strategy = cache.router, cache.strategy or _RIVER
         if self.layer_idx == 0:
@@ -75,7 +55,7 @@ class RiverLayer(nn.Module):
         if started is not None:
             cache.add_time(part, _clock(hidden_states) - started)
         if part == "backbone":
-            router.observe(self.layer_idx, hidden_states, _hidden_of(output))
+            router.observe(self.layer_idx, hidden_states, hidden_of(output))
         if self.layer_idx == self.num_layers - 1:
             cache.record_step(router.depth, hidden_states.shape[0], hidden_states.shape[1], hidden_states.device)
         return output
@@ -96,11 +76,6 @@ def _clock(tensor: torch.Tensor) -> float:
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
     return time.perf_counter()
-
-
-def _hidden_of(output) -> torch.Tensor:
-    """Decoder layers return the hidden state, or (in some architectures/versions) a tuple starting with it."""
-    return output[0] if isinstance(output, (tuple, list)) else output
 
 
 def make_twin(layer: nn.Module, quantize_linear, skip_modules: list[str]) -> nn.Module:

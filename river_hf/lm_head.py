@@ -2,7 +2,7 @@
 
 With `RiverQuantConfig(quantize_lm_head=True)`, `build_river` replaces the model's output embedding (`lm_head`) by a
 `RiverLMHead` holding the original head, untouched, and a `RiverQuantLinear` copy of it. Per forward pass it uses:
-- the quantized head when the pass is a river step that exited (`step_state.router.exited`): the token already ran
+- the quantized head when the pass is a river step that exited (its router's `exited`): the token already ran
   its last layers on the twins, so its logits come from the cheap head too;
 - the original head, exactly, otherwise: steps that never exited (so tau > 1 still equals the backbone token for
   token), plain `generate` and plain forward calls.
@@ -19,6 +19,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .architectures import output_embedding
+from .passes import active_router
 from .quantize import RiverQuantLinear
 
 # What transformers' tie_weights sets on an output embedding; it belongs on the original head.
@@ -26,31 +28,27 @@ _DELEGATED = ("weight", "bias", "in_features", "out_features")
 
 
 class RiverLMHead(nn.Module):
-    """Dispatches the LM head to the original head or its quantized copy, as the step's `ExitRouter` decided.
+    """Dispatches the LM head to the original head or its quantized copy, as the pass's `ExitRouter` decided (the
+    pass running in this thread: `river_hf.passes.active_router`)."""
 
-    `step_state` is the model's `river_hf.layers.StepState`, shared with its `RiverLayer`s (layer 0 sets
-    `step_state.router` at every pass: the pass's router, or None for a plain pass).
-    """
-
-    def __init__(self, base_head: nn.Module, quantized_head: nn.Module, step_state):
+    def __init__(self, base_head: nn.Module, quantized_head: nn.Module):
         super().__init__()
         self.base_head = base_head
         self.quantized_head = quantized_head
-        self.step_state = step_state
 
     @classmethod
-    def from_head(cls, head: nn.Module, step_state, nbits: int = 8, group_size: int | None = None, axis: int = 1,
+    def from_head(cls, head: nn.Module, nbits: int = 8, group_size: int | None = None, axis: int = 1,
                   backend: str = "auto") -> "RiverLMHead":
         """Quantize `head` (an nn.Linear, [vocab, hidden]; left untouched) with `RiverQuantLinear.from_linear`."""
         if not isinstance(head, nn.Linear):
             raise ValueError(f"`quantize_lm_head`: the model's output embedding must be an nn.Linear to quantize; "
                              f"got {type(head).__name__}.")
         quantized = RiverQuantLinear.from_linear(head, nbits=nbits, group_size=group_size, axis=axis, backend=backend)
-        return cls(head, quantized, step_state)
+        return cls(head, quantized)
 
     def uses_quantized_head(self) -> bool:
         """True while the pass running now is a river step that left the backbone."""
-        router = self.step_state.router
+        router = active_router()
         return router is not None and router.exited
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -84,8 +82,7 @@ def install_lm_head(model: nn.Module, head: RiverLMHead) -> None:
 
 def river_lm_head(model: nn.Module) -> RiverLMHead | None:
     """The model's RiverLMHead, or None when its head is not quantized."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
+    head = output_embedding(model)
     return head if isinstance(head, RiverLMHead) else None
 
 

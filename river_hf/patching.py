@@ -8,22 +8,15 @@ an instance of its original class: the river class is a subclass with the same n
 
 from __future__ import annotations
 
-from functools import partial
-
 from torch import nn
 from tqdm.auto import tqdm
 
-from .architectures import UnsupportedModelError, find_decoder_layers
+from .architectures import UnsupportedModelError, find_decoder_layers, output_embedding
 from .config import RiverQuantConfig
 from .generation import RiverGenerationMixin
-from .layers import (  # noqa: F401  (river_layers re-exported)
-    RiverLayer,
-    StepState,
-    make_twin,
-    record_confidence,
-    river_layers,
-)
+from .layers import RiverLayer, make_twin
 from .lm_head import RiverLMHead, install_lm_head, remove_lm_head
+from .passes import hook_passes
 from .quantize import RiverQuantLinear
 
 _RIVER_CLASSES: dict[type, type] = {}
@@ -45,27 +38,20 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
         raise ValueError("This model already has a river; call river_hf.remove_river(model) before building another.")
     layers = find_decoder_layers(model)
     quant_config.check_model_depth(len(layers))
-    step_state = StepState()  # one per model: every layer (and a river LM head) sees the same pass
     # The head first: it fails fast (no output embedding, not a Linear) before the model is touched.
-    lm_head = _quantized_lm_head(model, quant_config, step_state) if quant_config.quantize_lm_head else None
-    for idx in tqdm(range(len(layers)), desc="river: quantizing twins", disable=not progress, leave=False):
-        layer = layers[idx]
-        twin = _twin(layer, idx, quant_config) if idx >= quant_config.start_layer else None
-        layers[idx] = RiverLayer(layer, twin, layer_idx=idx, num_layers=len(layers), quant_config=quant_config,
-                                 step_state=step_state)
+    lm_head = _quantized_lm_head(model, quant_config) if quant_config.quantize_lm_head else None
+    wrapped = [RiverLayer(layer, None, layer_idx=idx, num_layers=len(layers), quant_config=quant_config)
+               for idx, layer in enumerate(layers)]
+    for idx in tqdm(range(quant_config.start_layer, len(layers)), desc="river: quantizing twins",
+                    disable=not progress, leave=False):
+        wrapped[idx].twin = _twin(layers[idx], idx, quant_config)
+    for idx, layer in enumerate(wrapped):  # only now, with every twin built: an error above leaves no trace
+        layers[idx] = layer
     if lm_head is not None:
         install_lm_head(model, lm_head)
-    _hook_confidence(model, step_state)
+    wrapped[0].pass_hooks = hook_passes(model)
     model.__class__ = _river_class(type(model))
     return model
-
-
-def _hook_confidence(model: nn.Module, step_state: StepState) -> None:
-    """The "confidence" exit signal reads the last pass's top-1 probability: a hook on the output embedding keeps it
-    (only for river passes whose signal asks; remove_river removes the hook)."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
-    step_state.hooks = [] if head is None else [head.register_forward_hook(partial(record_confidence, step_state))]
 
 
 def _twin(layer: nn.Module, idx: int, quant_config: RiverQuantConfig) -> nn.Module:
@@ -78,15 +64,14 @@ def _twin(layer: nn.Module, idx: int, quant_config: RiverQuantConfig) -> nn.Modu
     return make_twin(layer, quantize, quant_config.skip_modules)
 
 
-def _quantized_lm_head(model: nn.Module, quant_config: RiverQuantConfig, step_state: StepState) -> RiverLMHead:
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
+def _quantized_lm_head(model: nn.Module, quant_config: RiverQuantConfig) -> RiverLMHead:
+    head = output_embedding(model)
     if head is None or not hasattr(model, "set_output_embeddings"):
         raise UnsupportedModelError(
             f"`quantize_lm_head=True`: {type(model).__name__} has no output embedding (get_output_embeddings() "
             f"returned nothing); build the river with quantize_lm_head=False."
         )
-    return RiverLMHead.from_head(head, step_state, nbits=quant_config.lm_head_nbits,
+    return RiverLMHead.from_head(head, nbits=quant_config.lm_head_nbits,
                                  group_size=quant_config.lm_head_group_size, axis=quant_config.axis,
                                  backend=quant_config.backend)
 
@@ -99,9 +84,8 @@ def remove_river(model: nn.Module) -> nn.Module:
     layers = find_decoder_layers(model)
     for idx, layer in enumerate(layers):
         if isinstance(layer, RiverLayer):
-            for hook in layer.step_state.hooks or []:
+            for hook in layer.pass_hooks:
                 hook.remove()
-            layer.step_state.hooks = []
             layers[idx] = layer.base_layer
     remove_lm_head(model)
     model.__class__ = model.__class__._river_base_class

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from hqq.core.quantize import Quantizer
 from torch import nn
 
+from .checks import check_choice
+
 SUPPORTED_NBITS = (2, 3, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256, None)  # None = one group per output channel (whole row)
 BACKENDS = ("auto", "int4pack_cpu", "int8pack_cpu", "tinygemm_cuda", "hqq")
@@ -211,15 +213,9 @@ def _runs(backend: str, nbits: int, device: torch.device) -> bool:
             and all(hasattr(torch.ops.aten, op) for op in kernel.ops))
 
 
-def _check_choice(name: str, value, choices: tuple) -> None:
-    # bool is an int subclass: `nbits=True` must not pass as 1.
-    if isinstance(value, bool) or value not in choices:
-        raise ValueError(f"`{name}`={value!r} is not supported; choose one of {choices}.")
-
-
 def backend_nbits(backend: str) -> tuple[int, ...]:
     """The bit widths `backend` can run (on its device); 'auto' and 'hqq': all of SUPPORTED_NBITS."""
-    _check_choice("backend", backend, BACKENDS)
+    check_choice("backend", backend, BACKENDS)
     return SUPPORTED_NBITS if backend == "auto" else _KERNELS[backend].nbits
 
 
@@ -237,8 +233,8 @@ def resolve_backend(backend: str, nbits: int, device: torch.device) -> str:
     """The kernel a twin linear will run on. 'auto' -> the fastest one that runs `nbits` on `device`:
     CPU: 2/3/4 bits -> 'int4pack_cpu', 8 -> 'int8pack_cpu'; CUDA: 2/3/4 -> 'tinygemm_cuda'; otherwise 'hqq' (slow,
     with a warning). An explicit backend is returned as is if it can run there, else ValueError."""
-    _check_choice("nbits", nbits, SUPPORTED_NBITS)
-    _check_choice("backend", backend, BACKENDS)
+    check_choice("nbits", nbits, SUPPORTED_NBITS)
+    check_choice("backend", backend, BACKENDS)
     device = torch.device(device)
     if backend == "auto":
         fast = _fast_backend(nbits, device)
@@ -287,10 +283,10 @@ def _fit_layer(requested: str, nbits: int, group_size: int | None, weight: torch
 def _check_layer(linear: nn.Module, nbits, group_size, axis) -> None:
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"`linear` must be an nn.Linear; got {type(linear).__name__}.")
-    _check_choice("nbits", nbits, SUPPORTED_NBITS)
-    _check_choice("group_size", group_size, SUPPORTED_GROUP_SIZES)
+    check_choice("nbits", nbits, SUPPORTED_NBITS)
+    check_choice("group_size", group_size, SUPPORTED_GROUP_SIZES)
     # The kernels group along the input dimension; HQQ's axis=0 groups strided columns no kernel here can read.
-    _check_choice("axis", axis, (1,))
+    check_choice("axis", axis, (1,))
     if group_size is not None and linear.in_features % group_size:
         raise ValueError(f"`group_size`={group_size} does not divide `in_features`={linear.in_features}.")
 
@@ -358,9 +354,3 @@ class RiverQuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, nbits={self.nbits}, "
                 f"group_size={self.group_size}, backend={self.backend}")
-
-
-def quantize_linear(linear: nn.Linear, nbits: int, group_size: int | None, axis: int = 1,
-                    backend: str = "auto") -> RiverQuantLinear:
-    """Alias of `RiverQuantLinear.from_linear`."""
-    return RiverQuantLinear.from_linear(linear, nbits=nbits, group_size=group_size, axis=axis, backend=backend)

@@ -12,42 +12,16 @@ the first decoder layer opens it (`begin_step`), every backbone layer reports it
   or a fixed layer (`prefill_exit=int`), or none (`prefill_exit="none"`).
 
 What decides is the router's `signal` (`exit_signal`: "cosine", "cosine_first", "update_norm", "confidence",
-"random"; see
-`river_hf.signals`). The router keeps the rules every signal obeys: no exit before `min_depth` backbone layers nor
-at the last layer, a forced exit at `depth_cap`, and the fixed prefill exits.
+"random", or any registered one; see `river_hf.signals`). The router keeps the rules every signal obeys: no exit
+before `min_depth` backbone layers nor at the last layer, a forced exit at `depth_cap`, and the fixed prefill exits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .signals import (  # noqa: F401  (re-exported: the scores and the batch policy were defined here before)
-    EXIT_POLICIES,
-    ExitSignal,
-    batch_passes,
-    make_signal,
-    sequence_similarity,
-    token_similarity,
-)
-
-PREFILL_EXITS = ("sequence", "none")
-
-
-@dataclass(frozen=True)
-class RiverSettings:
-    """The per-call exit settings, taken from a `RiverConfig` (already validated there)."""
-
-    tau: float
-    prefill_exit: str | int = "sequence"
-    exit_policy: str = "batch_min"
-    kv_strategy: str = "river"
-    min_exit_layer: int | None = None  # None: the strategy's own minimum (start_layer, or more for "mask")
-    exit_signal: str = "cosine"
-    exit_rate: float | None = None  # "random" signal only: share of decoded tokens that exit
-    seed: int | None = None  # "random" signal only
-    signal_layer: int | None = None  # "cosine_first" only: the depth at which the single decision is made
+from .settings import RiverSettings
+from .signals import ExitSignal, make_signal
 
 
 class ExitRouter:

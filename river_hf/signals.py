@@ -7,7 +7,8 @@ those rules it asks its signal, after each eligible backbone layer (in order, un
 layer's input and output hidden states [B, T, D] and `mask` is the prompt's attention mask on a prefill step
 (None on a decode step). `begin_step(is_prefill, min_depth)` opens each forward pass.
 
-`RiverConfig(exit_signal=...)` picks the signal (`make_signal` builds it from the settings):
+`RiverConfig(exit_signal=...)` picks the signal by its registered name (`make_signal` builds it from the call's
+`RiverSettings`; `register_signal` adds one, e.g. a test's scripted signal):
 
 - "cosine" (default, the paper's): exit after the first eligible layer where s = cos(h_in, h_out) > tau.
 - "cosine_first" (the paper's other reading): one decision, at depth `signal_layer` (default: the first eligible
@@ -15,8 +16,8 @@ layer's input and output hidden states [B, T, D] and `mask` is the prompt's atte
   similarity is computed at any other layer.
 - "update_norm": the relative size of the layer's update, scored as 1 - |h_out - h_in| / |h_in| (higher = more
   similar, so it exits when score > tau, the same direction as the cosine); checked after every eligible layer.
-- "confidence": the previous token's top-1 probability > tau, decided once at the first eligible depth (the model
-  records it from each river pass's logits; a prompt never exits). Costs one softmax per token, no extra layer.
+- "confidence": the previous token's top-1 probability > tau, decided once at the first eligible depth (the signal
+  keeps it from each river pass's logits, `observe_logits`; a prompt never exits). One softmax per token.
 - "random": no signal at all, the honest baseline. Each step exits with probability `exit_rate`, at a depth drawn
   uniformly among the eligible depths [min_depth, num_layers - 1], from a generator seeded with `seed` (one per
   router, so per `generate` call: a fixed seed repeats the same exits; None is nondeterministic). Every step draws
@@ -43,29 +44,31 @@ The cosine path runs after every layer of every decoded token, so it stays at on
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from .router import RiverSettings
+from .checks import check_choice
 
-EXIT_SIGNALS = ("cosine", "cosine_first", "update_norm", "confidence", "random")
 EXIT_POLICIES = ("batch_min",)
 
 
-# ---- per-row scores ([B, T, D] hidden states -> [B] float32) ----------------------------------------------------
+# ---- scores ([B, T, D] hidden states -> [B, T] per position, or [B] per row; float32) ---------------------------
+def cosine_score(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
+    """cos(h_in, h_out) per position. h_*: [B, T, D] -> [B, T] (float32)."""
+    return F.cosine_similarity(h_in.float(), h_out.float(), dim=-1)
+
+
 def token_similarity(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
     """cos(h_in, h_out) of each row's last position. h_*: [B, T, D] -> [B] (float32)."""
     if h_in.shape[1] != 1:  # decode steps have T == 1: skip the slicing ops, this runs after every layer
         h_in, h_out = h_in[:, -1:], h_out[:, -1:]
-    return F.cosine_similarity(h_in.float(), h_out.float(), dim=-1).view(-1)
+    return cosine_score(h_in, h_out).view(-1)
 
 
 def sequence_similarity(h_in: torch.Tensor, h_out: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Mean over each row's real positions of cos(h_in, h_out). h_*: [B, T, D], mask: [B, T] (1 = token) -> [B]."""
-    return mean_over_tokens(F.cosine_similarity(h_in.float(), h_out.float(), dim=-1), mask)
+    return mean_over_tokens(cosine_score(h_in, h_out), mask)
 
 
 def update_norm_score(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
@@ -97,16 +100,28 @@ def mean_over_tokens(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.T
 
 def batch_passes(similarity: torch.Tensor, tau: float, policy: str = "batch_min") -> bool:
     """The paper's batch policy: the batch exits only when every row's similarity exceeds tau."""
-    if policy != "batch_min":
-        raise ValueError(f"`exit_policy`={policy!r} is not supported; choose one of {EXIT_POLICIES}.")
+    check_choice("exit_policy", policy, EXIT_POLICIES)
     return similarity.min().item() > tau  # .item(): one host read instead of a tensor comparison, then bool()
 
 
 # ---- signals -----------------------------------------------------------------------------------------------------
 class ExitSignal:
-    """Decides, after an eligible backbone layer, whether the step leaves for the twins. One per router."""
+    """Decides, after an eligible backbone layer, whether the step leaves for the twins. One per router, so per
+    `generate` call: any state it keeps is that call's alone.
 
-    needs_confidence = False  # True: the model records each river pass's top-1 probability for it (StepState)
+    A subclass sets `name` and registers with `@register_signal`; `from_settings(settings, num_layers)` builds it
+    from the call's `RiverSettings` (by default: `cls(settings.tau, settings.exit_policy)`).
+    """
+
+    name = ""
+    needs_logits = False  # True: the model hands it every river pass's logits (`observe_logits`)
+
+    @classmethod
+    def from_settings(cls, settings, num_layers: int) -> ExitSignal:
+        return cls(settings.tau, settings.exit_policy)
+
+    def observe_logits(self, logits: torch.Tensor) -> None:
+        """The logits [B, T, V] of the river pass that just ended (only when `needs_logits`)."""
 
     def begin_step(self, is_prefill: bool, min_depth: int) -> None:
         """A forward pass starts: a prefill (several tokens per row) or a decode step; no exit before min_depth."""
@@ -139,25 +154,49 @@ class ThresholdSignal(ExitSignal):
         return batch_passes(score, self.tau, self.policy)
 
 
+SIGNALS: dict[str, type[ExitSignal]] = {}  # name -> class; `register_signal` adds to it
+
+
+def register_signal(cls: type[ExitSignal]) -> type[ExitSignal]:
+    """Make `cls` available as `RiverConfig(exit_signal=cls.name)` (a class decorator)."""
+    if not isinstance(cls, type) or not issubclass(cls, ExitSignal) or not cls.name:
+        raise ValueError(f"register_signal: {cls!r} must be an ExitSignal subclass with a `name`.")
+    SIGNALS[cls.name] = cls
+    return cls
+
+
+def signal_names() -> tuple[str, ...]:
+    return tuple(SIGNALS)
+
+
+def make_signal(settings, num_layers: int) -> ExitSignal:
+    """The exit signal `settings.exit_signal` names (settings: a `RiverSettings`), for `num_layers` decoder layers."""
+    check_choice("exit_signal", settings.exit_signal, signal_names())
+    return SIGNALS[settings.exit_signal].from_settings(settings, num_layers)
+
+
+@register_signal
 class Cosine(ThresholdSignal):
     """The paper's signal: cos(h_in, h_out) > tau after every eligible layer."""
 
-
-class UpdateNorm(ThresholdSignal):
-    """1 - |h_out - h_in| / |h_in| > tau after every eligible layer: the layer barely changed the hidden state."""
-
-    token_score = staticmethod(token_update_norm)
-    sequence_score = staticmethod(sequence_update_norm)
+    name = "cosine"
 
 
+@register_signal
 class CosineAtOneLayer(Cosine):
     """cos(h_in, h_out) > tau checked once, at depth `signal_layer` (None: the first eligible depth); a step that
     fails there stays on the backbone to the end."""
+
+    name = "cosine_first"
 
     def __init__(self, tau: float, policy: str = "batch_min", signal_layer: int | None = None):
         super().__init__(tau, policy)
         self.signal_layer = signal_layer
         self.decision_depth = signal_layer
+
+    @classmethod
+    def from_settings(cls, settings, num_layers: int) -> CosineAtOneLayer:
+        return cls(settings.tau, settings.exit_policy, settings.signal_layer)
 
     def begin_step(self, is_prefill: bool, min_depth: int) -> None:
         self.is_prefill = is_prefill
@@ -167,14 +206,63 @@ class CosineAtOneLayer(Cosine):
         return depth == self.decision_depth and super().decide(depth, h_in, h_out, mask)
 
 
+@register_signal
+class UpdateNorm(ThresholdSignal):
+    """1 - |h_out - h_in| / |h_in| > tau after every eligible layer: the layer barely changed the hidden state."""
+
+    name = "update_norm"
+    token_score = staticmethod(token_update_norm)
+    sequence_score = staticmethod(sequence_update_norm)
+
+
+@register_signal
+class PreviousConfidence(ExitSignal):
+    """The previous token's top-1 probability > tau, decided once, at the first eligible depth: a model that was
+    sure of its last token is likely sure of this one, and a sure prediction survives the twins' small errors (the
+    match metric is argmax agreement). It reads a number the last pass already produced: no extra layer, no LM head
+    at intermediate layers (CALM's confidence costs a head per check). A prompt never exits: it has no previous
+    token."""
+
+    name = "confidence"
+    needs_logits = True
+
+    def __init__(self, tau: float, policy: str = "batch_min"):
+        self.tau = tau
+        self.policy = policy
+        self.last_confidence: torch.Tensor | None = None  # [B] of this call's previous pass; None before the first
+        self.is_prefill, self.min_depth = False, 1
+
+    def observe_logits(self, logits: torch.Tensor) -> None:
+        self.last_confidence = top1_probability(logits)
+
+    def begin_step(self, is_prefill: bool, min_depth: int) -> None:
+        self.is_prefill, self.min_depth = is_prefill, min_depth
+
+    def decide(self, depth, h_in, h_out, mask) -> bool:
+        if self.is_prefill or depth != self.min_depth or self.tau > 1.0:  # a probability never exceeds 1
+            return False
+        if self.tau <= -1.0:
+            return True
+        return self.last_confidence is not None and batch_passes(self.last_confidence, self.tau, self.policy)
+
+
+@register_signal
 class RandomExit(ExitSignal):
     """No signal: each step exits with probability `exit_rate`, at a uniformly drawn eligible depth."""
+
+    name = "random"
 
     def __init__(self, exit_rate: float, num_layers: int, seed: int | None = None):
         self.exit_rate = float(exit_rate)
         self.num_layers = num_layers
         self.rng = random.Random(seed)  # private: generate's own sampling (torch's RNG) is left alone
         self.drawn_depth: int | None = None  # this step's exit depth; None: it stays on the backbone
+
+    @classmethod
+    def from_settings(cls, settings, num_layers: int) -> RandomExit:
+        if settings.exit_rate is None:
+            raise ValueError("`exit_signal`='random' needs `exit_rate`: the probability (0 to 1) that a token exits.")
+        return cls(settings.exit_rate, num_layers, settings.seed)
 
     def begin_step(self, is_prefill: bool, min_depth: int) -> None:
         exits = self.rng.random() < self.exit_rate
@@ -186,51 +274,6 @@ class RandomExit(ExitSignal):
         return self.drawn_depth is not None and depth >= self.drawn_depth
 
 
-class PreviousConfidence(ExitSignal):
-    """The previous token's top-1 probability > tau, decided once, at the first eligible depth: a model that was
-    sure of its last token is likely sure of this one, and a sure prediction survives the twins' small errors (the
-    match metric is argmax agreement). It reads a number the last pass already produced: no extra layer, no LM head
-    at intermediate layers (CALM's confidence costs a head per check). A prompt never exits: it has no previous
-    token."""
-
-    needs_confidence = True
-
-    def __init__(self, tau: float, policy: str = "batch_min"):
-        self.tau = tau
-        self.policy = policy
-        self.step_state = None  # the model's StepState; set by new_river_cache
-        self.is_prefill, self.min_depth = False, 1
-
-    def begin_step(self, is_prefill: bool, min_depth: int) -> None:
-        self.is_prefill, self.min_depth = is_prefill, min_depth
-
-    def decide(self, depth, h_in, h_out, mask) -> bool:
-        if self.is_prefill or depth != self.min_depth or self.tau > 1.0:  # a probability never exceeds 1
-            return False
-        if self.tau <= -1.0:
-            return True
-        confidence = getattr(self.step_state, "last_confidence", None)
-        return confidence is not None and batch_passes(confidence, self.tau, self.policy)
-
-
 def top1_probability(logits: torch.Tensor) -> torch.Tensor:
     """Each row's top-1 probability at its last position. logits: [B, T, V] -> [B] float32."""
     return F.softmax(logits[:, -1].float(), dim=-1).amax(dim=-1)
-
-
-def make_signal(settings: RiverSettings, num_layers: int) -> ExitSignal:
-    """The exit signal `settings.exit_signal` names, for a model of `num_layers` decoder layers."""
-    name = getattr(settings, "exit_signal", "cosine")
-    if name == "cosine":
-        return Cosine(settings.tau, settings.exit_policy)
-    if name == "cosine_first":
-        return CosineAtOneLayer(settings.tau, settings.exit_policy, settings.signal_layer)
-    if name == "update_norm":
-        return UpdateNorm(settings.tau, settings.exit_policy)
-    if name == "confidence":
-        return PreviousConfidence(settings.tau, settings.exit_policy)
-    if name == "random":
-        if settings.exit_rate is None:
-            raise ValueError("`exit_signal`='random' needs `exit_rate`: the probability (0 to 1) that a token exits.")
-        return RandomExit(settings.exit_rate, num_layers, settings.seed)
-    raise ValueError(f"`exit_signal`={name!r} is not supported; choose one of {EXIT_SIGNALS}.")

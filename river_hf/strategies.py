@@ -23,16 +23,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-KV_STRATEGIES = ("river", "recompute", "state_propagation", "mask", "mono_decreasing")
+from .architectures import hidden_of
+from .checks import check_choice
 
 # Per-position layer inputs that recompute keeps for a pending token and concatenates with the current token's.
 _SEQUENCE_KWARGS = ("position_embeddings", "position_ids", "cache_position")
 
 
 class KVStrategy:
-    """The river (the paper): skipped layers run on their KV-sharing twins, so the cache is complete at all times."""
+    """What a backbone layer runs and what a layer an exited step skips does. One per `generate` call (in its
+    `RiverCache`), so per-call state lives on it. Subclasses set `name` and implement `run_skipped`."""
 
-    name = "river"
+    name = ""
     runs_prompt_on_backbone = False
 
     def __init__(self, layers, model_config=None):
@@ -49,7 +51,7 @@ class KVStrategy:
         return layer.base_layer(hidden_states, *args, **kwargs)
 
     def run_skipped(self, layer, hidden_states, args, kwargs, cache):
-        return layer.twin(hidden_states, *args, **kwargs)
+        raise NotImplementedError
 
     def expected_positions(self, layer_idx: int, cache) -> int:
         """How many positions layer `layer_idx` of the cache must hold now (KV integrity)."""
@@ -57,6 +59,15 @@ class KVStrategy:
 
     def before_batch_change(self) -> None:
         """Called before beam reordering / batch selection; a strategy with per-row state may refuse."""
+
+
+class RiverStrategy(KVStrategy):
+    """The river (the paper): skipped layers run on their KV-sharing twins, so the cache is complete at all times."""
+
+    name = "river"
+
+    def run_skipped(self, layer, hidden_states, args, kwargs, cache):
+        return layer.twin(hidden_states, *args, **kwargs)
 
 
 class StatePropagation(KVStrategy):
@@ -180,7 +191,7 @@ class Recompute(KVStrategy):
         merged = torch.cat([token.hidden for token in waiting] + [hidden_states], dim=1)
         merged_kwargs = {**kwargs, **_merged_inputs(layer.layer_idx, waiting, current, merged)}
         output = layer.base_layer(merged, **merged_kwargs)
-        hidden = _hidden_of(output)
+        hidden = hidden_of(output)
         self._advance(waiting, hidden, layer.layer_idx)
         return _replace_hidden(output, hidden[:, len(waiting):])
 
@@ -193,7 +204,7 @@ class Recompute(KVStrategy):
             merged = torch.cat([token.hidden for token in waiting], dim=1)
             merged_kwargs = _merged_inputs(layer.layer_idx, waiting, None, merged)
             output = layer.base_layer(merged, **merged_kwargs, **_with_cache({}, cache), use_cache=True)
-            self._advance(waiting, _hidden_of(output), layer.layer_idx)
+            self._advance(waiting, hidden_of(output), layer.layer_idx)
 
     def expected_positions(self, layer_idx: int, cache) -> int:
         return cache.recorded_length - len(self._waiting_at_or_before(layer_idx))
@@ -219,12 +230,15 @@ class Recompute(KVStrategy):
         self.pending = [token for token in self.pending if token.frontier < self.num_layers]
 
 
-STRATEGIES = {cls.name: cls for cls in (KVStrategy, Recompute, StatePropagation, Mask, MonoDecreasing)}
+STRATEGIES = {cls.name: cls for cls in (RiverStrategy, Recompute, StatePropagation, Mask, MonoDecreasing)}
+
+
+def strategy_names() -> tuple[str, ...]:
+    return tuple(STRATEGIES)
 
 
 def make_strategy(name: str, layers, model_config=None) -> KVStrategy:
-    if name not in STRATEGIES:
-        raise ValueError(f"`kv_strategy`={name!r} is not supported; choose one of {KV_STRATEGIES}.")
+    check_choice("kv_strategy", name, strategy_names())
     return STRATEGIES[name](layers, model_config)
 
 
@@ -252,10 +266,6 @@ class _StopAfterWrite:
 def _with_cache(kwargs: dict, cache) -> dict:
     key = "past_key_values" if "past_key_values" in kwargs and "cache" not in kwargs else "cache"
     return {**kwargs, key: cache}
-
-
-def _hidden_of(output) -> torch.Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
 
 
 def _replace_hidden(output, hidden: torch.Tensor):

@@ -12,7 +12,7 @@ import river_hf
 from river_hf import RiverConfig
 from river_hf.bench.fidelity import backbone_references, compare, measure_fidelity, teacher_forced_logits
 from river_hf.bench.speed import interleaved, median_rate
-from river_hf.router import RiverSettings
+from river_hf import RiverSettings
 
 from conftest import plain_copy_with_twins, tiny_model
 

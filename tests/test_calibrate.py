@@ -13,7 +13,7 @@ from river_hf.bench.calibrate import CalibrationError, Probe, search_tau
 from river_hf.bench.fidelity import backbone_references, measure_fidelity
 from river_hf.cli import main
 from river_hf.models import build_chat_inputs, load_model_and_tokenizer
-from river_hf.router import RiverSettings
+from river_hf import RiverSettings
 
 from test_models import save_tiny_model  # tests/ is on sys.path (no __init__.py there)
 

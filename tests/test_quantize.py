@@ -18,7 +18,6 @@ from river_hf.quantize import (
     SUPPORTED_GROUP_SIZES,
     SUPPORTED_NBITS,
     RiverQuantLinear,
-    quantize_linear,
     resolve_backend,
 )
 
@@ -236,7 +235,7 @@ def test_warnings_do_not_repeat_per_layer():
 
 def test_module_surface():
     linear = make_linear()
-    twin = quantize_linear(linear, nbits=4, group_size=64)
+    twin = RiverQuantLinear.from_linear(linear, nbits=4, group_size=64)
     assert (twin.in_features, twin.out_features, twin.nbits, twin.group_size, twin.backend) == (
         IN, OUT, 4, 64, "int4pack_cpu")
     assert repr(twin) == (
@@ -244,14 +243,8 @@ def test_module_surface():
     assert list(twin.parameters()) == []  # buffers only: nothing to train, nothing for an optimizer to find
     assert {"qweight", "scales_and_zeros", "scale", "zero", "bias"} <= set(twin.state_dict())
     torch.testing.assert_close(twin.bias, linear.bias.detach())
-    assert quantize_linear(make_linear(bias=False), 4, 64).bias is None
+    assert RiverQuantLinear.from_linear(make_linear(bias=False), 4, 64).bias is None
     assert set(SUPPORTED_NBITS) == {2, 3, 4, 8} and None in SUPPORTED_GROUP_SIZES
-
-
-def test_quantize_linear_is_from_linear():
-    linear = make_linear()
-    x = torch.randn(2, IN)
-    torch.testing.assert_close(quantize_linear(linear, 4, 64)(x), RiverQuantLinear.from_linear(linear, 4, 64)(x))
 
 
 def test_copy_and_dtype_cast_keep_working():

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from river_hf.router import ExitRouter, RiverSettings, batch_passes, sequence_similarity, token_similarity
+from river_hf import RiverSettings
+from river_hf.router import ExitRouter
+from river_hf.signals import batch_passes, sequence_similarity, token_similarity
 from river_hf.signals import Cosine, CosineAtOneLayer, RandomExit, UpdateNorm
 
 

@@ -11,15 +11,16 @@ from transformers import GenerationConfig
 
 import river_hf
 from river_hf import RiverConfig, RiverQuantConfig
-from river_hf.router import ExitRouter, RiverSettings
+from river_hf import RiverSettings
+from river_hf.router import ExitRouter
 from river_hf.signals import (
-    EXIT_SIGNALS,
     Cosine,
     CosineAtOneLayer,
     PreviousConfidence,
     RandomExit,
     UpdateNorm,
     make_signal,
+    signal_names,
     sequence_update_norm,
     token_update_norm,
 )
@@ -198,7 +199,7 @@ def test_random_in_the_router_keeps_the_routers_rules():
 def test_make_signal_builds_each_named_signal():
     kinds = {"cosine": Cosine, "cosine_first": CosineAtOneLayer, "update_norm": UpdateNorm, "random": RandomExit,
              "confidence": PreviousConfidence}
-    assert set(kinds) == set(EXIT_SIGNALS)
+    assert set(kinds) == set(signal_names())
     for name, cls in kinds.items():
         assert type(make_signal(RiverSettings(tau=0.9, exit_signal=name, exit_rate=0.5), num_layers=6)) is cls
     assert make_signal(RiverSettings(tau=0.9, exit_signal="cosine_first", signal_layer=3), 6).signal_layer == 3
@@ -276,19 +277,15 @@ def test_cosine_first_and_update_norm_end_to_end(prompt_ids):
 
 # ---- confidence: the previous token's top-1 probability ------------------------------------------------------------
 def test_confidence_decides_once_at_the_first_eligible_depth_from_the_last_pass():
-    from river_hf.layers import StepState
-    from river_hf.signals import PreviousConfidence
-
-    signal, state = PreviousConfidence(tau=0.6), StepState()
-    signal.step_state = state
+    signal = PreviousConfidence(tau=0.6)
     signal.begin_step(is_prefill=False, min_depth=2)
     assert not signal.decide(2, None, None, None)  # no previous pass yet
-    state.last_confidence = torch.tensor([0.9, 0.7])
+    signal.observe_logits(torch.tensor([[0.9, 0.1], [0.7, 0.3]]).log()[:, None])  # [B, T, V]
     assert signal.decide(2, None, None, None) and not signal.decide(3, None, None, None)
-    state.last_confidence = torch.tensor([0.9, 0.5])  # batch min
+    signal.last_confidence = torch.tensor([0.9, 0.5])  # batch min
     assert not signal.decide(2, None, None, None)
     signal.begin_step(is_prefill=True, min_depth=2)
-    state.last_confidence = torch.tensor([1.0, 1.0])
+    signal.last_confidence = torch.tensor([1.0, 1.0])
     assert not signal.decide(2, None, None, None)  # a prompt has no previous token
 
 
@@ -306,9 +303,8 @@ def test_confidence_end_to_end_exits_exactly_after_confident_steps(prompt_ids):
     assert (out.cache.exit_depth[:, :out.cache.prompt_length] == 6).all()
 
 
-def test_remove_river_removes_the_confidence_hook(prompt_ids):
+def test_remove_river_removes_the_pass_hooks(prompt_ids):
     model = river_model()
-    head = model.get_output_embeddings()
-    assert len(head._forward_hooks) == 1
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
     river_hf.remove_river(model)
-    assert len(head._forward_hooks) == 0
+    assert len(model._forward_pre_hooks) == 0 and len(model._forward_hooks) == 0

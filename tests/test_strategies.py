@@ -13,7 +13,7 @@ from river_hf import RiverConfig, RiverQuantConfig
 from river_hf import strategies as strategies_module
 from river_hf.generation import new_river_cache
 from river_hf.router import ExitRouter
-from river_hf.strategies import KV_STRATEGIES
+from river_hf.strategies import strategy_names
 
 from conftest import ARCHITECTURES, tiny_model
 
@@ -71,7 +71,7 @@ def decoded_depths(cache) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
-@pytest.mark.parametrize("strategy", KV_STRATEGIES)
+@pytest.mark.parametrize("strategy", strategy_names())
 def test_every_strategy_at_tau_above_one_equals_the_plain_model(arch, strategy, prompt_ids):
     model = tiny_model(arch)
     expected = model.generate(prompt_ids, generation_config=GenerationConfig(max_new_tokens=16, do_sample=False))
@@ -231,7 +231,7 @@ def test_mono_decreasing_depths_never_increase_and_deeper_kv_is_a_prefix(arch, p
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-@pytest.mark.parametrize("strategy", KV_STRATEGIES)
+@pytest.mark.parametrize("strategy", strategy_names())
 def test_every_strategy_keeps_its_kv_invariant_on_every_architecture(arch, strategy, prompt_ids):
     """Random exits (seeded): the cache holds what the strategy promises, and after a flush every position."""
     model = river_of(tiny_model(arch))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..config import RiverQuantConfig
 from ..models import DEFAULT_GGUF_FILE, resolve_model_path
-from ..router import RiverSettings
+from ..settings import RiverSettings
 from .fidelity import Reference, measure_fidelity
 
 DEFAULT_TAU_RANGE = (-1.0, 0.999)  # tau > 1 is the backbone itself: 0.999 is the most faithful tau that may exit

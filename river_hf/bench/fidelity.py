@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from ..generation import new_river_cache
-from ..router import RiverSettings
+from ..settings import RiverSettings
 
 
 @dataclass

@@ -14,14 +14,13 @@ import copy
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationConfig
 
 from ..config import bits_label
 from ..generation import RiverConfig
-from ..router import RiverSettings
-from ..signals import update_norm_score
+from ..settings import RiverSettings
+from ..signals import cosine_score, update_norm_score
 from ..architectures import find_decoder_layers
 from ..layers import RiverLayer, river_layers, twin_linears
 from ..patching import is_river
@@ -153,12 +152,8 @@ def layer_similarities(river_model: nn.Module, inputs: dict, signal: str = "cosi
     depths = range(start_layer, len(states) - 1)  # depth d: the output of layer d - 1
     if signal == "cosine_first":
         depths = [max(signal_layer or start_layer, start_layer)]
-    score = update_norm_score if signal == "update_norm" else _cosine
+    score = update_norm_score if signal == "update_norm" else cosine_score
     return torch.cat([score(states[depth - 1], states[depth]).flatten() for depth in depths])
-
-
-def _cosine(h_in: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
-    return F.cosine_similarity(h_in.float(), h_out.float(), dim=-1)
 
 
 def signal_taus(river_model: nn.Module, inputs: dict, signal: str, quick: bool,

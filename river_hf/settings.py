@@ -1,0 +1,106 @@
+"""`RiverSettings`: the per-call exit settings, declared and validated once.
+
+Everything that decides how one `generate` call exits lives here: `RiverConfig` (a `GenerationConfig`) takes exactly
+these fields, `generate(..., tau=0.98)` accepts exactly these keyword arguments, and `river-hf` derives its river
+flags from them. Each field's `metadata["help"]` is its documentation everywhere (docstring, `--help`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import MISSING, dataclass, field, fields
+
+from .checks import check_choice, is_int
+from .signals import EXIT_POLICIES, signal_names
+from .strategies import strategy_names
+
+# Exit threshold on cos(h_in, h_out), chosen for the packaged SmolLM2-135M with 4-bit group-64 twins: the fastest tau
+# of a measured sweep whose teacher-forced next-token match stays >= 90% (docs/benchmarks.md). The paper's 0.5-0.9
+# suits Llama-3; on SmolLM2 it exits nearly every token after 2 layers.
+DEFAULT_TAU = 0.975
+PREFILL_EXITS = ("sequence", "none")
+
+
+@dataclass(frozen=True)
+class RiverSettings:
+    """How one `generate` call exits. Bad values raise `ValueError` naming the field."""
+
+    tau: float = field(default=DEFAULT_TAU, metadata={"help": (
+        "Exit threshold of the exit signal (the paper's: cos(h_in, h_out) of a backbone layer). A value above 1 "
+        "never exits (the output equals the backbone's token for token); -1 exits as early as allowed, at "
+        "`start_layer` (the paper's full quantization).")})
+    prefill_exit: str | int = field(default="sequence", metadata={"help": (
+        "How the prompt exits: 'sequence' = one switch layer for all prompt tokens, from their mean score; 'none' = "
+        "the full backbone; an int k = switch after k backbone layers.")})
+    exit_policy: str = field(default="batch_min", metadata={"help": (
+        "How the rows of a batch agree: 'batch_min' = the batch exits once every row passes (the paper's).")})
+    kv_strategy: str = field(default="river", metadata={"help": (
+        "What the layers an exited token skips do about its K/V: 'river' = its KV-sharing twins (the paper); "
+        "'recompute', 'state_propagation', 'mask', 'mono_decreasing' are the known baselines, for comparison.")})
+    min_exit_layer: int | None = field(default=None, metadata={"help": (
+        "No token exits before this many backbone layers (default: the river's start layer; half the layers for "
+        "'mask').")})
+    exit_signal: str = field(default="cosine", metadata={"help": (
+        "What decides an exit: 'cosine' (the paper's), 'cosine_first' (decided once, at `signal_layer`), "
+        "'update_norm' (1 - |h_out - h_in| / |h_in|), 'confidence' (the previous token's top-1 probability, decided "
+        "once) or 'random' (the honest baseline; needs `exit_rate`).")})
+    exit_rate: float | None = field(default=None, metadata={"help": (
+        "exit_signal='random' only: the probability that a decoded token exits.")})
+    seed: int | None = field(default=None, metadata={"help": "exit_signal='random' only: its generator's seed."})
+    signal_layer: int | None = field(default=None, metadata={"help": (
+        "exit_signal='cosine_first' only: the depth (backbone layers run) of its one decision; default: the first "
+        "eligible depth.")})
+
+    def __post_init__(self):
+        _check_tau(self.tau)
+        object.__setattr__(self, "tau", float(self.tau))
+        if not (self.prefill_exit in PREFILL_EXITS or (is_int(self.prefill_exit) and self.prefill_exit >= 1)):
+            raise ValueError(f"`prefill_exit`={self.prefill_exit!r} is not supported; use one of {PREFILL_EXITS} or "
+                             f"an int >= 1 (the number of backbone layers every prompt token runs).")
+        check_choice("exit_policy", self.exit_policy, EXIT_POLICIES)
+        check_choice("kv_strategy", self.kv_strategy, strategy_names())
+        check_choice("exit_signal", self.exit_signal, signal_names())
+        for name in ("min_exit_layer", "signal_layer"):
+            value = getattr(self, name)
+            if value is not None and not (is_int(value) and value >= 1):
+                raise ValueError(f"`{name}` must be None or an int >= 1 (a number of backbone layers); got {value!r}.")
+        self._check_random_fields()
+
+    def _check_random_fields(self) -> None:
+        if self.exit_signal == "random" and self.exit_rate is None:
+            raise ValueError("`exit_signal`='random' needs `exit_rate`: the probability (0 to 1) that a token exits.")
+        rate = self.exit_rate
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0 <= rate <= 1):
+            raise ValueError(f"`exit_rate` must be a probability between 0 and 1; got {rate!r}.")
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"`seed` must be None or an int; got {self.seed!r}.")
+
+    @classmethod
+    def from_object(cls, source, **overrides) -> RiverSettings:
+        """The settings an object carries as attributes (a RiverConfig, a loaded GenerationConfig), then overrides."""
+        values = {name: getattr(source, name) for name in RIVER_FIELDS if hasattr(source, name)}
+        return cls(**{**values, **overrides})
+
+
+RIVER_FIELDS = tuple(f.name for f in fields(RiverSettings))
+
+
+def river_field_defaults() -> dict:
+    """name -> default of every river field."""
+    return {f.name: f.default for f in fields(RiverSettings) if f.default is not MISSING}
+
+
+def river_field_help(name: str) -> str:
+    return RiverSettings.__dataclass_fields__[name].metadata["help"]
+
+
+def river_fields_doc(indent: str = "    ") -> str:
+    """The fields as a docstring's Args section (for RiverConfig)."""
+    return "\n".join(f"{indent}{f.name} (default {f.default!r}): {f.metadata['help']}" for f in fields(RiverSettings))
+
+
+def _check_tau(tau) -> None:
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or math.isnan(tau):
+        raise ValueError(f"`tau` must be a real number (the exit threshold: > 1 never exits, -1 exits as early as "
+                         f"allowed); got {tau!r}.")
