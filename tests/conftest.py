@@ -7,6 +7,8 @@ import copy
 import pytest
 import torch
 import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SIZES = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, pad_token_id=0, eos_token_id=1,
@@ -94,3 +96,36 @@ def saved_tiny_model(tmp_path):
     tiny_model("llama").save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+# A ChatML template like SmolLM2's, short enough to read.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained in milliseconds: real byte-level decoding (multi-byte characters split across tokens)
+    without the hub."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["what is two plus three? the answer is five. hello world"] * 10, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    wrapped.chat_template = chat_template
+    return wrapped
+
+
+def save_tiny_model(path, chat_template: str | None = CHAT_TEMPLATE, num_layers: int = 4) -> str:
+    """A random Llama (hidden 64, GQA 4/2 heads) and its tokenizer in `path`; returns the folder."""
+    tokenizer = make_tiny_tokenizer(chat_template)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -20,7 +20,7 @@ from river_hf.cli import build_parser, main
 from river_hf.models import build_chat_inputs, load_model_and_tokenizer
 
 from conftest import tiny_model
-from test_models import save_tiny_model  # tests/ is on sys.path (no __init__.py there)
+from conftest import save_tiny_model
 
 NUM_LAYERS = 4
 PROMPTS, ROUNDS, TOKENS = 2, 1, 6

@@ -15,7 +15,7 @@ from river_hf.cli import main
 from river_hf.models import build_chat_inputs, load_model_and_tokenizer
 from river_hf import RiverSettings
 
-from test_models import save_tiny_model  # tests/ is on sys.path (no __init__.py there)
+from conftest import save_tiny_model
 
 TOKENS = 12
 QUESTIONS = ["what is two plus three?", "hello world", "the answer is five"]

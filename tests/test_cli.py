@@ -18,7 +18,7 @@ from river_hf.cli import (
     token_exit_depths,
     token_pieces,
 )
-from test_models import make_tiny_tokenizer, save_tiny_model  # tests/ is on sys.path (no __init__.py there)
+from conftest import make_tiny_tokenizer, save_tiny_model
 
 NUM_LAYERS = 4
 ANSI = "\x1b["

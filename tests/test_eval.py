@@ -25,7 +25,7 @@ from river_hf.bench.eval import (
 )
 from river_hf.bench.humaneval import check_completion, run_program
 from river_hf.cli import main
-from test_models import make_tiny_tokenizer  # tests/ is on sys.path (no __init__.py there)
+from conftest import make_tiny_tokenizer
 
 GSM8K = default_data_root() / "gsm8k"
 needs_gsm8k = pytest.mark.skipif(not (GSM8K / "test.jsonl").is_file(), reason=f"no GSM8K data at {GSM8K}")
