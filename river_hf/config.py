@@ -55,8 +55,10 @@ class RiverQuantConfig(QuantizationConfigMixin):
     )
     backend: str = field(
         default="auto",
-        metadata={"help": f"Twin kernel, one of {BACKENDS}; 'auto' picks the fastest one for the model's device "
-                  f"(per layer, so a schedule of 8 and 4 bits runs int8pack_cpu and int4pack_cpu on CPU)."},
+        metadata={"help": f"Twin kernel, one of {BACKENDS}. 'fastest' times the kernels that can run each layer on "
+                  f"this machine, at that layer's shape, and takes the fastest (river_hf.kernel_choice); 'auto' takes "
+                  f"the device's preferred kernel per width without measuring (CPU: int4pack_cpu for 2-4 bits, "
+                  f"int8pack_cpu for 8; CUDA: tinygemm_cuda)."},
     )
     quantize_lm_head: bool = field(
         default=False,

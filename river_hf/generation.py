@@ -13,7 +13,7 @@ import dataclasses
 from transformers import GenerationConfig
 
 from .cache import RiverCache
-from .layers import backbone_layers, river_layers
+from .layers import backbone_layers, river_layers, twins_prefill_faster
 from .lm_head import original_lm_head
 from .router import ExitRouter
 from .settings import RIVER_FIELDS, RiverSettings, river_field_defaults, river_fields_doc
@@ -113,6 +113,8 @@ def new_river_cache(model, settings: RiverSettings, attention_mask=None, cache: 
     strategy = make_strategy(settings.kv_strategy, layers, text_config)
     if strategy.runs_prompt_on_backbone:
         settings = dataclasses.replace(settings, prefill_exit="none")
+    elif settings.prefill_exit == "auto":
+        settings = dataclasses.replace(settings, prefill_exit="sequence" if twins_prefill_faster(layers) else "none")
     start_layer = next(layer.layer_idx for layer in layers if layer.twin is not None)
     router = ExitRouter(settings, start_layer=start_layer, num_layers=len(layers))
     router.min_depth = _min_exit_depth(settings, strategy, start_layer, len(layers))

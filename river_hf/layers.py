@@ -17,6 +17,7 @@ from torch import nn
 
 from .architectures import find_decoder_layers, hidden_of
 from .passes import river_cache_of
+from .kernel_choice import lookup
 from .quantize import RiverQuantLinear
 from .strategies import RiverStrategy
 
@@ -110,6 +111,20 @@ def river_layers(model: nn.Module) -> list[RiverLayer]:
 
 def twin_linears(twin: nn.Module) -> list[RiverQuantLinear]:
     return [module for module in twin.modules() if isinstance(module, RiverQuantLinear)]
+
+
+def twins_prefill_faster(layers: list[RiverLayer]) -> bool:
+    """Whether the twins, summed over their linears, ran a prompt-shaped matmul faster than dense bf16 weights when
+    `backend='fastest'` measured them; True (the paper's sequence-level prompt exit) where nothing was measured."""
+    chosen = dense = 0.0
+    for layer in layers:
+        for linear in twin_linears(layer.twin) if layer.twin is not None else []:
+            choice = lookup(linear.out_features, linear.in_features, linear.nbits, linear.backend, linear.scale.device)
+            if choice is None:
+                return True
+            chosen += choice.prefill_microseconds[choice.backend]
+            dense += choice.prefill_microseconds["dense"]
+    return chosen < dense or dense == 0.0
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from .strategies import strategy_names
 # of a measured sweep whose teacher-forced next-token match stays >= 90% (docs/benchmarks.md). The paper's 0.5-0.9
 # suits Llama-3; on SmolLM2 it exits nearly every token after 2 layers.
 DEFAULT_TAU = 0.975
-PREFILL_EXITS = ("sequence", "none")
+PREFILL_EXITS = ("auto", "sequence", "none")
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,11 @@ class RiverSettings:
         "Exit threshold of the exit signal (the paper's: cos(h_in, h_out) of a backbone layer). A value above 1 "
         "never exits (the output equals the backbone's token for token); -1 exits as early as allowed, at "
         "`start_layer` (the paper's full quantization).")})
-    prefill_exit: str | int = field(default="sequence", metadata={"help": (
-        "How the prompt exits: 'sequence' = one switch layer for all prompt tokens, from their mean score; 'none' = "
-        "the full backbone; an int k = switch after k backbone layers.")})
+    prefill_exit: str | int = field(default="auto", metadata={"help": (
+        "How the prompt exits: 'sequence' = one switch layer for all prompt tokens, from their mean score (the "
+        "paper's); 'none' = the full backbone; an int k = switch after k backbone layers; 'auto' = 'sequence' where "
+        "the twins' kernels ran a prompt-shaped matmul faster than the backbone's when the river was built "
+        "(backend='fastest' measures it), else 'none', so a river never makes a prompt slower.")})
     exit_policy: str = field(default="batch_min", metadata={"help": (
         "How the rows of a batch agree: 'batch_min' = the batch exits once every row passes (the paper's).")})
     kv_strategy: str = field(default="river", metadata={"help": (

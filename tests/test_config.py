@@ -19,7 +19,7 @@ from river_hf import RiverConfig, RiverQuantConfig
         ({"group_size": 48}, "group_size"),
         ({"group_size": 0}, "group_size"),
         ({"axis": 2}, "axis"),
-        ({"backend": "fastest"}, "backend"),
+        ({"backend": "turbo"}, "backend"),
         ({"start_layer": 0}, "start_layer"),
         ({"start_layer": 1.5}, "start_layer"),
         ({"skip_modules": "down_proj"}, "skip_modules"),

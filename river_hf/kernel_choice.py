@@ -1,0 +1,186 @@
+"""`backend="fastest"`: pick each twin linear's kernel by timing the candidates on this machine, at this layer's shape.
+
+Kernel speed does not travel: on an AVX-512-BF16 CPU the int4 kernel is ~2.5x a bf16 GEMV at SmolLM2's sizes, on an
+AVX2-only CPU ~1.4x, and the 8-bit kernel can be slower than the bf16 GEMV it replaces (FACTS.md). So when a river
+is built, every distinct (shape, bits, group size) is timed once per process on a batch-1 GEMV, as in decoding:
+- the candidates are the kernels that can run those bits on this device (`kernels.KERNELS`), plus `dense` (the
+  dequantized weight in bf16: the backbone's own speed, the floor);
+- each candidate gets enough copies of a random weight to overflow the last-level cache (a decode step reads every
+  layer's weights from memory, not from cache), and the candidates take turns, round after round, so a noisy
+  neighbour slows all of them alike; the median time per call counts, activation casts included;
+- the device's preferred kernel keeps its place unless another is faster by `TIE_MARGIN`, so close calls do not
+  flip from one build to the next.
+Every choice made is kept (`measured_choices()`) for the bench record and the CLI's build message.
+
+Prompts are another matter: a prefill multiplies [T, K] by the weight, compute-bound, where the packed kernels can be
+slower than the backbone's bf16 GEMM. So each choice also times the chosen kernel against `dense` at
+`PREFILL_TOKENS` rows; `prefill_exit="auto"` lets a prompt exit onto the twins only where that measured faster.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from .kernels import KERNELS, PREFERRED_BACKENDS, cast, int4_kernel_group, runs, shape_problem
+
+TIE_MARGIN = 1.10  # another kernel must be this much faster than the preferred one to replace it
+ROUNDS, WARMUP_ROUNDS, MIN_ROUNDS = 15, 2, 3
+SECONDS_PER_SHAPE = 1.0  # past this (a busy machine, a huge layer), stop after MIN_ROUNDS timed rounds
+PREFILL_TOKENS = 128  # rows of the prefill-shaped timing (a typical chat prompt)
+MAX_COPIES = 64
+_FALLBACK_CACHE_BYTES = 32 << 20
+_CHOICES: dict[tuple, KernelChoice] = {}  # one measurement per process and key: a memo, not a switch
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel chosen for one layer shape, and what every candidate measured (µs per batch-1 call)."""
+
+    out_features: int
+    in_features: int
+    nbits: int
+    group_size: int | None
+    device: str
+    backend: str
+    microseconds: dict[str, float]
+    prefill_microseconds: dict[str, float]  # the chosen kernel and `dense` at PREFILL_TOKENS rows
+
+    @property
+    def prefill_faster(self) -> bool:
+        """Whether the chosen kernel runs a prompt-shaped matmul faster than the dense bf16 weight."""
+        return self.prefill_microseconds[self.backend] < self.prefill_microseconds["dense"]
+
+    def describe(self) -> str:
+        timings = ", ".join(f"{name} {us:.0f}" for name, us in sorted(self.microseconds.items(), key=lambda x: x[1]))
+        return (f"{self.in_features}x{self.out_features} {self.nbits}-bit: {self.backend} "
+                f"(µs per GEMV: {timings})")
+
+
+def fastest_backend(nbits: int, group_size: int | None, out_features: int, in_features: int,
+                    device: torch.device) -> KernelChoice:
+    """The fastest kernel on this machine for a [out_features, in_features] weight of `nbits` bits (measured once)."""
+    device = torch.device(device)
+    key = (out_features, in_features, nbits, group_size, device.type, torch.get_num_threads())
+    if key not in _CHOICES:
+        names = candidates(nbits, group_size, out_features, in_features, device)
+        timings = _time_candidates(names, nbits, group_size, out_features, in_features, device, rows=1)
+        backend = _pick(timings, nbits, device)
+        prefill = {"dense": timings["dense"]} if backend == "dense" else _time_candidates(
+            [backend, "dense"], nbits, group_size, out_features, in_features, device, rows=PREFILL_TOKENS)
+        prefill.setdefault(backend, prefill["dense"])
+        _CHOICES[key] = KernelChoice(out_features, in_features, nbits, group_size, device.type, backend, timings,
+                                     prefill)
+    return _CHOICES[key]
+
+
+def lookup(out_features: int, in_features: int, nbits: int, backend: str, device) -> KernelChoice | None:
+    """The choice this process measured that picked `backend` for this shape, if there is one."""
+    device_type = torch.device(device).type
+    return next((choice for choice in _CHOICES.values()
+                 if (choice.out_features, choice.in_features, choice.nbits, choice.backend, choice.device)
+                 == (out_features, in_features, nbits, backend, device_type)), None)
+
+
+def candidates(nbits: int, group_size: int | None, out_features: int, in_features: int,
+               device: torch.device) -> list[str]:
+    """Every kernel that can run this layer here, except the slow 'hqq' reference."""
+    return [name for name in KERNELS if name != "hqq" and runs(name, nbits, device)
+            and shape_problem(name, out_features, in_features, _kernel_group(name, group_size)) is None]
+
+
+def measured_choices() -> list[KernelChoice]:
+    """Every choice this process made, in the order made."""
+    return list(_CHOICES.values())
+
+
+def _pick(timings: dict[str, float], nbits: int, device: torch.device) -> str:
+    fastest = min(timings, key=timings.get)
+    preferred = next((name for name in PREFERRED_BACKENDS if name in timings and runs(name, nbits, device)), None)
+    if preferred is not None and timings[preferred] <= timings[fastest] * TIE_MARGIN:
+        return preferred
+    return fastest
+
+
+def _kernel_group(backend: str, group_size: int | None) -> int | None:
+    return None if backend.startswith("int8pack") else group_size  # the int8 kernels are per row
+
+
+@torch.inference_mode()
+def _time_candidates(names: list[str], nbits: int, group_size: int | None, out_features: int, in_features: int,
+                     device: torch.device, rows: int) -> dict[str, float]:
+    """name -> median µs per call of x [rows, K] (bf16 in, bf16 out) times the weight, interleaved; rows=1 is a
+    decode GEMV, timed cache-cold."""
+    copies = None if rows == 1 else 2  # a prompt-sized matmul is compute-bound: the cache does not matter
+    layers = {name: _copies(name, nbits, _kernel_group(name, group_size), out_features, in_features, device, copies)
+              for name in names}
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    started = time.perf_counter()
+    for step in range(WARMUP_ROUNDS + ROUNDS):
+        for name in names[step % len(names):] + names[:step % len(names)]:  # rotate: no fixed first slot
+            elapsed = _time_round(name, layers[name], x)
+            if step >= WARMUP_ROUNDS:
+                samples[name].append(elapsed)
+        if step + 1 >= WARMUP_ROUNDS + MIN_ROUNDS and time.perf_counter() - started > SECONDS_PER_SHAPE:
+            break
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _time_round(name: str, copies: list, x: torch.Tensor) -> float:
+    kernel = KERNELS[name]
+    _synchronize(x)
+    start = time.perf_counter()
+    for module in copies:
+        inputs = x if kernel.activation_dtype is None else cast(x, kernel.activation_dtype)
+        cast(kernel.matmul(module, inputs), torch.bfloat16)
+    _synchronize(x)
+    return (time.perf_counter() - start) / len(copies) * 1e6
+
+
+def _copies(name: str, nbits: int, group_size: int | None, out_features: int, in_features: int, device,
+            count: int | None = None) -> list:
+    """Packed random weights for kernel `name`, enough of them to overflow the last-level cache twice."""
+    groups = in_features // group_size if group_size else 1
+    codes = torch.randint(0, 2 ** nbits, (out_features, in_features), dtype=torch.uint8, device=device)
+    scale = torch.rand(out_features, groups, device=device) * 0.01 + 1e-3
+    zero = torch.full((out_features, groups), 2.0 ** (nbits - 1), device=device)
+    buffers = KERNELS[name].pack(codes, scale, zero, group_size, nbits)
+    nbytes = sum(t.numel() * t.element_size() for t in buffers.values())
+    count = count or max(2, min(MAX_COPIES, -(-2 * _cache_bytes() // max(nbytes, 1))))
+    kernel_group = int4_kernel_group(in_features, group_size) if "scales_and_zeros" in buffers else None
+    return [SimpleNamespace(**{key: t.clone() for key, t in buffers.items()}, kernel_group_size=kernel_group,
+                            in_features=in_features, out_features=out_features) for _ in range(count)]
+
+
+def _cache_bytes() -> int:
+    """The last-level cache's size (Linux sysfs), or 32 MiB when it cannot be read."""
+    path = "/sys/devices/system/cpu/cpu0/cache/index3/size"
+    try:
+        with open(path) as file:
+            text = file.read().strip().upper()
+        return int(text.rstrip("KM")) << (20 if text.endswith("M") else 10)
+    except (OSError, ValueError):
+        return _FALLBACK_CACHE_BYTES
+
+
+def _synchronize(x: torch.Tensor) -> None:
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+
+
+def cpu_description() -> dict:
+    """What a kernel timing depends on: the CPU model, torch's CPU capability, threads."""
+    model = None
+    try:
+        with open("/proc/cpuinfo") as file:
+            model = next((line.split(":", 1)[1].strip() for line in file if line.startswith("model name")), None)
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
