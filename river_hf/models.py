@@ -100,16 +100,21 @@ def load_model_and_tokenizer(model: str | None = None, gguf_file: str | None = N
     return loaded.to(device).eval(), tokenizer
 
 
-def build_chat_inputs(tokenizer, prompt: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """A single user turn through the chat template (ending with the assistant's turn opened), or the plain prompt
-    when the tokenizer has no template. Returns {"input_ids", "attention_mask"}, each [1, T], on `device`.
+def build_chat_inputs(tokenizer, prompt: str | list[dict], device: str | torch.device = "cpu",
+                      chat: bool = True) -> dict[str, torch.Tensor]:
+    """Model inputs for one prompt: {"input_ids", "attention_mask"}, each [1, T], on `device`.
+
+    `prompt` is chat messages ([{"role", "content"}, ...], through the chat template with the assistant's turn
+    opened) or a string: with `chat` (the default) a single user turn through the template when the tokenizer has one,
+    else (or with `chat=False`, for completion tasks and k-shot text) the plain text as is.
     """
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": prompt}]
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
-                                                return_tensors="pt")
-    else:
+    if isinstance(prompt, str) and chat and getattr(tokenizer, "chat_template", None):
+        prompt = [{"role": "user", "content": prompt}]
+    if isinstance(prompt, str):
         encoded = tokenizer(prompt, return_tensors="pt")
+    else:
+        encoded = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True,
+                                                return_tensors="pt")
     input_ids = encoded["input_ids"]
     attention_mask = encoded.get("attention_mask")
     if attention_mask is None:

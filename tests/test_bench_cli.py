@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import river_hf
-from river_hf.bench import prompts as bench_prompts
+from river_hf.bench import data as bench_prompts
 from river_hf.bench.plots import pareto_front
-from river_hf.bench.run import FULL, QUICK, SCHEMA, BenchSettings, river_taus, versus_random
-from river_hf.bench.systems import SMOLLM2_TAUS, default_taus, static_full_quant, weight_bytes
+from river_hf.bench.report import versus_random
+from river_hf.bench.run import FULL, QUICK, SCHEMA, BenchSettings
+from river_hf.bench.systems import SMOLLM2_TAUS, default_taus, river_taus, static_full_quant, weight_bytes
 from river_hf.cli import build_parser, main
 from river_hf.models import build_chat_inputs, load_model_and_tokenizer
 
@@ -266,10 +267,10 @@ def test_river_taus_drop_full_quant_and_duplicates():
 
 
 def test_twin_schedule_and_quantized_head_options():
-    from river_hf.cli import _twin_config
+    from river_hf.commands.common import twin_config
 
     args = build_parser().parse_args(["bench", "--nbits", "8*2,4*3", "--quantize-lm-head", "--lm-head-nbits", "4"])
-    config = _twin_config(args)
+    config = twin_config(args)
     assert config.nbits == [8, 8, 4, 4, 4] and config.quantize_lm_head and config.lm_head_nbits == 4
 
 

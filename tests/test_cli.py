@@ -6,18 +6,17 @@ import types
 import pytest
 import torch
 
-from river_hf.cli import (
-    DEFAULT_TAU,
+from river_hf.cli import build_parser, main
+from river_hf.display import (
     EXIT_COLORS,
     FULL_DEPTH_COLOR,
     GenerationStats,
-    build_parser,
     depth_bucket,
     exit_legend,
-    main,
     token_exit_depths,
     token_pieces,
 )
+from river_hf.settings import DEFAULT_TAU
 from conftest import make_tiny_tokenizer, save_tiny_model
 
 NUM_LAYERS = 4
@@ -141,7 +140,7 @@ def test_defaults():
 
 # ---- the pieces -------------------------------------------------------------------------------------------------
 def test_decode_rate_counts_tokens_after_the_first():
-    streamer = types.SimpleNamespace(start_time=0.0, token_times=[0.5, 1.0, 1.5, 2.5])
+    streamer = types.SimpleNamespace(start=0.0, token_times=[0.5, 1.0, 1.5, 2.5])
     stats = GenerationStats.collect(streamer, num_layers=30)
     assert stats.new_tokens == 4
     assert stats.prefill_s == 0.5
@@ -150,14 +149,14 @@ def test_decode_rate_counts_tokens_after_the_first():
 
 
 def test_exit_stats_skip_the_prefill_token():
-    streamer = types.SimpleNamespace(start_time=0.0, token_times=[0.1, 0.2, 0.3, 0.4])
+    streamer = types.SimpleNamespace(start=0.0, token_times=[0.1, 0.2, 0.3, 0.4])
     stats = GenerationStats.collect(streamer, num_layers=30, depths=[1, 10, 30, 20])  # depths[0]: the prefill's
     assert stats.mean_exit_depth == pytest.approx(20.0)
     assert stats.exit_share == pytest.approx(2 / 3)
 
 
 def test_one_token_has_no_decode_rate():
-    stats = GenerationStats.collect(types.SimpleNamespace(start_time=0.0, token_times=[0.3]), num_layers=30)
+    stats = GenerationStats.collect(types.SimpleNamespace(start=0.0, token_times=[0.3]), num_layers=30)
     assert "decode nan tok/s" in stats.summary_line()
 
 

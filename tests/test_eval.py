@@ -9,26 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from river_hf.bench.eval import (
-    BACKBONE,
-    FULL_QUANT,
-    StopOnText,
-    default_data_root,
-    encode_prompt,
-    extract_answer,
-    gsm8k_examples,
-    gsm8k_prompt,
-    load_gsm8k,
-    numbers_equal,
-    read_jsonl,
-    truncate_at,
-)
+from river_hf.bench.data import data_roots, load_gsm8k, read_jsonl
+from river_hf.bench.eval import StopOnText, extract_answer, gsm8k_examples, gsm8k_prompt, numbers_equal, truncate_at
+from river_hf.bench.systems import BACKBONE, EVAL_FULL_QUANT as FULL_QUANT
 from river_hf.bench.humaneval import check_completion, run_program
 from river_hf.cli import main
+from river_hf.models import build_chat_inputs
 from conftest import make_tiny_tokenizer
 
-GSM8K = default_data_root() / "gsm8k"
-needs_gsm8k = pytest.mark.skipif(not (GSM8K / "test.jsonl").is_file(), reason=f"no GSM8K data at {GSM8K}")
+GSM8K = next((root / "gsm8k" for root in data_roots() if (root / "gsm8k" / "test.jsonl").is_file()), None)
+needs_gsm8k = pytest.mark.skipif(GSM8K is None, reason=f"no GSM8K data under {data_roots()}")
 
 
 # ---- answer extraction ------------------------------------------------------------------------------------------
@@ -76,7 +66,7 @@ def test_stop_on_text_looks_at_the_generated_tail_only():
 
 def test_chat_prompts_go_through_the_template():
     tokenizer = make_tiny_tokenizer()
-    inputs = encode_prompt(tokenizer, gsm8k_prompt(TRAIN[:1], "test q?", chat=True), "cpu")
+    inputs = build_chat_inputs(tokenizer, gsm8k_prompt(TRAIN[:1], "test q?", chat=True), "cpu")
     text = tokenizer.decode(inputs["input_ids"][0])
     assert text.startswith("<|im_start|>user\nQuestion: train q0?<|im_end|>")
     assert text.endswith("Question: test q?<|im_end|>\n<|im_start|>assistant\n")

@@ -20,9 +20,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..config import RiverQuantConfig
-from ..models import DEFAULT_GGUF_FILE, resolve_model_path
-from ..settings import RiverSettings
-from .fidelity import Reference, measure_fidelity
+from ..models import DEFAULT_GGUF_FILE, build_chat_inputs, resolve_model_path
+from .fidelity import Reference, backbone_references
+from .systems import river_system, twin_description
 
 DEFAULT_TAU_RANGE = (-1.0, 0.999)  # tau > 1 is the backbone itself: 0.999 is the most faithful tau that may exit
 DEFAULT_TOLERANCE = 0.002
@@ -78,12 +78,47 @@ def search_tau(measure: Callable[[float], Probe], target: float, lo: float = DEF
     return min(passing, key=lambda p: (p.mean_exit_depth, p.tau)), probes
 
 
-def teacher_forced_probe(model, references: list[Reference]) -> Callable[[float], Probe]:
+def teacher_forced_probe(model, references: list[Reference], **river) -> Callable[[float], Probe]:
+    """measure(tau): the river at tau (and any other river settings: `exit_signal`, `kv_strategy`, ...) measured as
+    the bench measures a system's fidelity."""
     def measure(tau: float) -> Probe:
-        fidelity = measure_fidelity(model, references, RiverSettings(tau=tau))
+        fidelity = river_system(tau, **river).fidelity(model, references)
         return Probe(tau=tau, match=fidelity.match, kl=fidelity.kl, mean_exit_depth=fidelity.mean_exit_depth)
 
     return measure
+
+
+@dataclass
+class Calibration:
+    """What `calibrate` found: the chosen probe, every probe measured, and what they were measured on."""
+
+    chosen: Probe
+    probes: list[Probe]
+    target_match: float
+    twins: dict     # `systems.twin_description` of the river measured
+    prompts: dict   # source, count, tokens, positions
+
+    def entry(self) -> dict:
+        """The calibration file's entry (see `save_calibration`)."""
+        return calibration_entry(self.chosen, self.probes, self.target_match, self.twins, self.prompts)
+
+
+def calibrate(model, tokenizer, prompts: list[str], target_match: float, tokens: int = 64,
+              tau_range: tuple[float, float] = DEFAULT_TAU_RANGE, tolerance: float = DEFAULT_TOLERANCE,
+              max_steps: int = DEFAULT_MAX_STEPS, source: str = "prompts", progress=None, **river) -> Calibration:
+    """The fastest tau of a river model whose teacher-forced next-token match against its backbone, along the
+    backbone's own `tokens`-token greedy continuations of `prompts` (user messages, through the chat template),
+    meets `target_match`. `progress(probe)` is called after each measurement; `river` fixes the other river settings.
+    Raises `CalibrationError` (a ValueError) when even the most faithful tau misses the target."""
+    check_target(target_match)
+    check_tau_range(*tau_range)
+    inputs = [build_chat_inputs(tokenizer, prompt, model.device)["input_ids"] for prompt in prompts]
+    references = backbone_references(model, inputs, tokens, progress=True)
+    chosen, probes = search_tau(teacher_forced_probe(model, references, **river), target_match, *tau_range,
+                                tolerance=tolerance, max_steps=max_steps, progress=progress)
+    measured = {"source": source, "count": len(references), "tokens": tokens,
+                "positions": sum(len(ref.continuation) for ref in references)}
+    return Calibration(chosen, probes, target_match, twin_description(model), measured)
 
 
 def check_target(target: float) -> None:

@@ -13,38 +13,21 @@ final number. Exemplar answers keep their reasoning and `#### <number>` line but
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
 import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from ..generation import RiverConfig
-from .systems import twin_label
+from ..models import build_chat_inputs
+from ..patching import is_river
 from .speed import Timing, time_generate
-
-BACKBONE = "backbone"
-FULL_QUANT = "full-quant (tau=-1)"
-
-
-# ---- systems ----------------------------------------------------------------------------------------------------
-def eval_systems(taus: list[float], river: bool = True, **generation_kwargs) -> dict[str, GenerationConfig]:
-    """name -> generation config: the backbone, then (with `river`) full quantization and the river at each tau
-    (repeated taus once; tau -1 is full quantization already)."""
-    systems = {BACKBONE: GenerationConfig(**generation_kwargs)}
-    if river:
-        systems[FULL_QUANT] = RiverConfig(tau=-1, **generation_kwargs)
-        for tau in dict.fromkeys(tau for tau in taus if tau != -1):
-            systems[f"river tau={tau:g}"] = RiverConfig(tau=tau, **generation_kwargs)
-    return systems
+from .systems import BACKBONE, System, twin_description, twin_label
 
 
 # ---- running every system on every example ---------------------------------------------------------------------
@@ -89,19 +72,6 @@ class _RecordingModel:
         return self.output
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict], device) -> dict[str, torch.Tensor]:
-    """{"input_ids", "attention_mask"}, each [1, T]: chat messages through the template, plain text as is."""
-    if isinstance(prompt, str):
-        encoded = tokenizer(prompt, return_tensors="pt")
-    else:
-        encoded = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True,
-                                                return_tensors="pt")
-    input_ids = encoded["input_ids"]
-    attention_mask = encoded.get("attention_mask")
-    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
-
-
 def truncate_at(text: str, stops) -> str:
     """`text` up to the first occurrence of any stop string (generation stops *after* producing one)."""
     cut = min((index for index in (text.find(stop) for stop in stops) if index >= 0), default=len(text))
@@ -127,35 +97,35 @@ class EvalResult:
         return {name: summarize(name, self.records, runs, num_layers) for name, runs in self.timings.items()}
 
 
-def run_eval(model, tokenizer, examples: list[Example], systems: dict[str, GenerationConfig],
+def run_eval(model, tokenizer, examples: list[Example], systems: list[System],
              score: Callable[[Example, str], Scored], stops=(), progress: bool = True) -> EvalResult:
     """Every system on every example (A B C, A B C, ...), after a short warm-up call per system. Generation stops
-    at any of `stops` (the answer is cut before it)."""
+    at any of `stops` (the answer is cut before it). A string prompt is completed as is (`chat=False`)."""
     device = model.device
-    warm_up(model, tokenizer, encode_prompt(tokenizer, examples[0].prompt, device), systems)
-    result = EvalResult(timings={name: [] for name in systems})
+    warm_up(model, tokenizer, build_chat_inputs(tokenizer, examples[0].prompt, device, chat=False), systems)
+    result = EvalResult(timings={system.name: [] for system in systems})
     with tqdm(total=len(examples) * len(systems), desc="eval", disable=not progress) as bar:
         for example in examples:
-            inputs = encode_prompt(tokenizer, example.prompt, device)
+            inputs = build_chat_inputs(tokenizer, example.prompt, device, chat=False)
             record = {"id": example.id, "gold": example.gold, "systems": {}}
-            for name, config in systems.items():
-                text, timing = generate_text(model, tokenizer, inputs, config, stops)
+            for system in systems:
+                text, timing = generate_text(system.model or model, tokenizer, inputs, system.config, stops)
                 scored = score(example, text)
-                result.timings[name].append(timing)
-                record["systems"][name] = {**asdict(scored), "new_tokens": timing.new_tokens,
-                                           "decode_tokens_per_s": timing.decode_tokens_per_s,
-                                           "mean_exit_depth": timing.mean_exit_depth, "output": text}
+                result.timings[system.name].append(timing)
+                record["systems"][system.name] = {**asdict(scored), "new_tokens": timing.new_tokens,
+                                                  "decode_tokens_per_s": timing.decode_tokens_per_s,
+                                                  "mean_exit_depth": timing.mean_exit_depth, "output": text}
                 bar.update(1)
             result.records.append(record)
     return result
 
 
-def warm_up(model, tokenizer, inputs: dict, systems: dict[str, GenerationConfig], tokens: int = 4) -> None:
+def warm_up(model, tokenizer, inputs: dict, systems: list[System], tokens: int = 4) -> None:
     """First calls pay for allocation and kernel selection: one short call per system keeps that out of the rates."""
-    for config in systems.values():
-        short = copy.deepcopy(config)
+    for system in systems:
+        short = copy.deepcopy(system.config)
         short.max_new_tokens = tokens
-        generate_text(model, tokenizer, inputs, short)
+        generate_text(system.model or model, tokenizer, inputs, short)
 
 
 def summarize(name: str, records: list[dict], timings: list[Timing], num_layers: int) -> dict:
@@ -195,30 +165,41 @@ def build_report(task: str, settings: dict, twins: dict | None, result: EvalResu
             "num_layers": num_layers, "systems": result.summaries(num_layers), "records": result.records}
 
 
-def default_output_path(task: str) -> str:
-    return os.path.join("runs", f"eval-{task}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+# ---- one call for a notebook ------------------------------------------------------------------------------------
+@dataclass
+class Task:
+    """A task as `evaluate` runs it: its examples, how an answer is scored, where generation stops."""
+
+    name: str
+    examples: list[Example]
+    score: Callable[[Example, str], Scored]
+    stops: tuple[str, ...] = ()
+    metric: str = "accuracy"
+    settings: dict = field(default_factory=dict)  # what the report records about how the task was set up
 
 
-def write_json(path: str, payload: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as file:
-        json.dump(_finite(payload), file, indent=1)
+def evaluate(model, tokenizer, task: Task, systems: list[System], settings: dict | None = None,
+             progress: bool = True) -> dict:
+    """Every system (e.g. `systems.eval_systems([0.97])`) on every example of `task`, on one model (a river model,
+    or a plain one for backbone-only systems). Returns the report `write_record` writes and `report_table` prints;
+    `settings` (e.g. the model's name) go into it before the task's own."""
+    if not task.examples:
+        raise ValueError(f"task {task.name!r} has no examples.")
+    twins = twin_description(model) if is_river(model) else None
+    result = run_eval(model, tokenizer, task.examples, systems, task.score, task.stops, progress)
+    num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    settings = {**(settings or {}), "stop_strings": list(task.stops), **task.settings}
+    return {**build_report(task.name, settings, twins, result, num_layers), "metric": task.metric}
 
 
-def _finite(value):
-    """NaN (no decoded tokens, no rate) becomes null: strict JSON has no NaN."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
-    return value
+def report_table(report: dict) -> str:
+    """The twins, then the markdown table of a report from `evaluate`."""
+    return twin_line(report["twins"]) + "\n" + markdown_table(report["systems"], report["num_layers"],
+                                                               report.get("metric", "accuracy"))
 
 
 # ---- GSM8K ------------------------------------------------------------------------------------------------------
 GSM8K_STOP = ("Question:",)
-DATA_ENV = "RIVER_HF_DATA"
 _NUMBER = r"-?\$?-?\d[\d,]*(?:\.\d+)?"
 _ANSWER_PATTERNS = (re.compile(r"####\s*(" + _NUMBER + ")"),
                     re.compile(r"[Tt]he answer is\s*:?\s*(" + _NUMBER + ")"))
@@ -288,49 +269,8 @@ def check_shots(train: list[dict] | None, shots: int) -> None:
                          f"folder with train.jsonl and test.jsonl, or pass `--shots 0`.")
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    with open(path) as file:
-        return [json.loads(line) for line in file if line.strip()]
-
-
-def default_data_root() -> Path:
-    """$RIVER_HF_DATA, else ../shared/data beside the repository (where this workplace keeps the GSM8K files)."""
-    if os.environ.get(DATA_ENV):
-        return Path(os.environ[DATA_ENV])
-    return Path(__file__).resolve().parents[3] / "shared" / "data"
-
-
-def load_gsm8k(data: str | None = None, dataset: str | None = None) -> tuple[list[dict] | None, list[dict], str]:
-    """(train rows or None, test rows, where they came from). Rows hold "question" and "answer".
-
-    `data`: a folder with train.jsonl and test.jsonl, or one JSONL file of test questions (exemplars then come from a
-    train.jsonl beside it, if there is one). `dataset`: a hub dataset id such as "openai/gsm8k" (needs `datasets`).
-    Neither: the folder gsm8k/ under `default_data_root()`.
-    """
-    if data is not None and dataset is not None:
-        raise ValueError("give either `--data` (local files) or `--dataset` (a hub dataset), not both.")
-    if dataset is not None:
-        return _load_hub_gsm8k(dataset)
-    path = Path(data).expanduser() if data is not None else default_data_root() / "gsm8k"
-    test_file = path if path.is_file() else path / "test.jsonl"
-    if not test_file.is_file():
-        where = f"`--data` {data!r}" if data is not None else f"the default data folder {str(path)!r}"
-        raise ValueError(f"no GSM8K test.jsonl found at {where}. Pass `--data` a folder holding train.jsonl and "
-                         f"test.jsonl (or a test JSONL file), set ${DATA_ENV} to a folder holding gsm8k/, or use "
-                         f"`--dataset openai/gsm8k` with the `datasets` package installed.")
-    test = read_jsonl(test_file)
-    if not test:
-        raise ValueError(f"`--data`: {str(test_file)!r} holds no questions.")
-    train_file = test_file.with_name("train.jsonl")
-    train = read_jsonl(train_file) if train_file.is_file() and train_file != test_file else None
-    return train, test, str(path)
-
-
-def _load_hub_gsm8k(dataset: str) -> tuple[list[dict], list[dict], str]:
-    try:
-        import datasets
-    except ModuleNotFoundError:
-        raise ValueError(f"`--dataset` {dataset!r} needs the `datasets` package (`pip install datasets`); or pass "
-                         f"`--data` a local folder with train.jsonl and test.jsonl.") from None
-    splits = datasets.load_dataset(dataset, "main")
-    return [dict(row) for row in splits["train"]], [dict(row) for row in splits["test"]], dataset
+def gsm8k_task(train: list[dict] | None, test: list[dict], shots: int = 5, chat: bool = True,
+               limit: int | None = None, source: str = "") -> Task:
+    """GSM8K k-shot (rows from `data.load_gsm8k`): chat turns or plain "Question: ... Answer:" text."""
+    return Task("gsm8k", gsm8k_examples(train, test, shots, chat, limit), score_gsm8k, GSM8K_STOP,
+                settings={"shots": shots, "prompt": "chat template" if chat else "plain text", "data": source})

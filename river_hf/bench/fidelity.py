@@ -7,10 +7,12 @@ token-level exit decisions exactly as in `generate`), and compares the next-toke
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from ..generation import new_river_cache
@@ -66,9 +68,11 @@ class Reference:
     logits: torch.Tensor       # [T, V] the backbone's next-token logits along them
 
 
-def backbone_references(model, prompts: list[torch.Tensor], max_new_tokens: int = 64) -> list[Reference]:
+def backbone_references(model, prompts: list[torch.Tensor], max_new_tokens: int = 64,
+                        progress: bool = False) -> list[Reference]:
+    """The backbone's greedy continuation of each prompt ([1, P] ids) and its logits along it (`progress`: a bar)."""
     references = []
-    for prompt_ids in prompts:
+    for prompt_ids in tqdm(prompts, desc="backbone references", file=sys.stderr, disable=not progress):
         continuation = greedy_continuation(model, prompt_ids, max_new_tokens)
         logits, _ = teacher_forced_logits(model, prompt_ids, continuation, None)
         references.append(Reference(prompt_ids, continuation, logits))

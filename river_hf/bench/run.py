@@ -3,12 +3,14 @@ full-quantization reference and the river at a grid of taus, in one process, on 
 
 Speed runs are interleaved after a warm-up (`speed.interleaved`); fidelity is teacher-forced against the backbone's
 own greedy continuations, computed once (`fidelity.backbone_references`). The result is one JSON-ready record
-(every raw token time included, so each ratio can be recomputed from it) and a markdown table.
+(every raw token time included, so each ratio can be recomputed from it); `report.py` turns it into tables.
+
+    record = bench(river_model, tokenizer, prompts, QUICK, Sweep(taus=[0.97, 0.98]))
+    print(markdown_table(record)); write_record(record, "runs/bench.json")
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -19,32 +21,19 @@ from collections import Counter
 from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 
 import torch
 import transformers
 from tqdm.auto import tqdm
 
-from .fidelity import Fidelity, backbone_references, measure_fidelity
+from ..models import build_chat_inputs
+from ..patching import is_river
+from .fidelity import Fidelity, backbone_references
+from .report import full_quant_target, versus_random
 from .speed import Timing, interleaved, median_rate
-from .systems import (
-    BACKBONE,
-    FULL_QUANT,
-    STATIC_FULL_QUANT,
-    System,
-    fixed_length,
-    random_systems,
-    reference_systems,
-    signal_systems,
-    static_full_quant,
-    twin_description,
-    twin_label,
-    weight_bytes,
-)
+from .systems import BACKBONE, STATIC_FULL_QUANT, Sweep, System, twin_description, weight_bytes
 
 SCHEMA = "river-hf-bench/1"
-# The paper's premise: full quantization through the river should run close to a model that simply is quantized.
-FULL_QUANT_TARGET = 0.9
 
 
 @dataclass
@@ -60,9 +49,33 @@ class BenchSettings:
         known = {f.name for f in fields(self)}
         return replace(self, **{k: v for k, v in values.items() if v is not None and k in known})
 
+    @property
+    def prompts_used(self) -> int:
+        return max(self.prompts, self.fidelity_prompts)
+
 
 FULL = BenchSettings()
 QUICK = BenchSettings(prompts=2, rounds=1, max_new_tokens=64, fidelity_prompts=3, fidelity_tokens=32)
+
+
+def bench(model, tokenizer, prompts: list[str], settings: BenchSettings = FULL, sweep: Sweep | None = None,
+          systems: list[System] | None = None, *, model_id: str | None = None, prompt_source: str = "prompts",
+          arguments: dict | None = None, started: dict | None = None) -> dict:
+    """The whole bench on a river model: the systems of `sweep` (default: `Sweep()`), or `systems` as given,
+    measured on `prompts` (user messages, through the chat template; at least `settings.prompts_used` of them), as
+    one JSON-ready record. `model_id`, `prompt_source` and `arguments` are recorded as given; `started`: the
+    `environment()` taken before the model loaded (default: now)."""
+    started = started or environment()
+    if not is_river(model):
+        raise ValueError("`model` has no river: build it first with `river_hf.build_river(model, RiverQuantConfig())`.")
+    if not prompts:
+        raise ValueError("`prompts` is empty: the bench needs at least one prompt.")
+    inputs = [build_chat_inputs(tokenizer, prompt, model.device) for prompt in prompts[:settings.prompts_used]]
+    if systems is None:
+        systems = (sweep or Sweep()).systems(model, inputs[0], settings.max_new_tokens)
+    record = run_bench(model, inputs, settings, systems)
+    model_id = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
+    return finish_record(record, model_id, str(model.device), prompt_source, prompts, arguments, started)
 
 
 def run_bench(model, prompt_inputs: list[dict], settings: BenchSettings, systems: list[System]) -> dict:
@@ -79,17 +92,6 @@ def run_bench(model, prompt_inputs: list[dict], settings: BenchSettings, systems
             "memory": memory_report(model, rss_built)}
 
 
-def sweep_systems(model, settings: BenchSettings, taus: list[float], signals: dict[str, list[float]] | None = None,
-                  exit_rates: list[float] = (), seed: int = 0, signal_layer: int | None = None) -> list[System]:
-    """The default bench: backbone, full-quant, static full-quant, the cosine river at each tau; then any other
-    signal's taus and the random-routing baseline at each exit rate."""
-    fixed = fixed_length(settings.max_new_tokens)
-    systems = reference_systems(static_full_quant(model), fixed) + signal_systems("cosine", river_taus(taus), fixed)
-    for signal, signal_taus in (signals or {}).items():
-        systems += signal_systems(signal, river_taus(signal_taus), fixed, signal_layer)
-    return systems + random_systems(list(exit_rates), seed, fixed)
-
-
 def measure_speed(model, systems: list[System], prompts: list[dict], rounds: int) -> dict[str, list[Timing]]:
     configs = {system.name: system.config for system in systems}
     models = {system.name: system.model for system in systems if system.model is not None}
@@ -99,16 +101,10 @@ def measure_speed(model, systems: list[System], prompts: list[dict], rounds: int
 
 def measure_all_fidelity(model, systems: list[System], prompts: list[dict], tokens: int) -> dict[str, Fidelity]:
     """Teacher-forced fidelity of every system but the backbone, against backbone references computed once."""
-    references = [backbone_references(model, [inputs["input_ids"]], tokens)[0]
-                  for inputs in tqdm(prompts, desc="backbone references", file=sys.stderr)]
+    references = backbone_references(model, [inputs["input_ids"] for inputs in prompts], tokens, progress=True)
     measured = [system for system in systems if system.kind != "backbone"]
-    return {system.name: measure_fidelity(system.model or model, references, system.river_settings)
+    return {system.name: system.fidelity(model, references)
             for system in tqdm(measured, desc="fidelity (teacher-forced)", file=sys.stderr)}
-
-
-def river_taus(taus: list[float]) -> list[float]:
-    """The grid without duplicates and without tau <= -1 (that is full-quant, measured anyway)."""
-    return sorted({float(tau) for tau in taus if tau > -1.0})
 
 
 # ---- the record -------------------------------------------------------------------------------------------------
@@ -211,171 +207,3 @@ def finish_record(record: dict, model_id: str, device: str, prompt_source: str, 
             **record, "target": full_quant_target(record["systems"]),
             "versus_random": versus_random(record["systems"], "speed"),
             "versus_random_at_equal_depth": versus_random(record["systems"], "depth")}
-
-
-def full_quant_target(systems: list[dict]) -> dict | None:
-    by_name = {system["name"]: system for system in systems}
-    if FULL_QUANT not in by_name or STATIC_FULL_QUANT not in by_name:
-        return None
-    ratio = by_name[FULL_QUANT]["summary"]["ratio_vs_static_full_quant"]
-    return {"full_quant_vs_static_full_quant": ratio, "target": FULL_QUANT_TARGET, "met": ratio >= FULL_QUANT_TARGET}
-
-
-def write_record(record: dict, path: str | Path) -> Path:
-    path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_json_safe(record), indent=1) + "\n")
-    return path
-
-
-def default_output(now: datetime | None = None) -> Path:
-    return Path("runs") / f"bench-{(now or datetime.now()).strftime('%Y%m%d-%H%M%S')}.json"
-
-
-def _json_safe(value):
-    """NaN/inf are not JSON: write them as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
-    return value
-
-
-# ---- the table --------------------------------------------------------------------------------------------------
-def markdown_table(record: dict) -> str:
-    """The twin configuration and the settings, then one row per system (and the comparisons that apply)."""
-    s, twins = record["settings"], record["twins"]
-    lines = [twin_label(twins) + f" · model {record['model']['id']} on {record['model']['device']}",
-             f"speed: {s['prompts']} prompts x {s['rounds']} rounds, {s['max_new_tokens']} new tokens, batch 1, "
-             f"interleaved after warm-up, median; fidelity: teacher-forced, {s['fidelity_prompts']} prompts x "
-             f"{s['fidelity_tokens']} backbone tokens; {record['environment']['torch_threads']} threads", "",
-             f"| system | decode tok/s | vs backbone | vs static full-quant | prefill ms | mean exit depth "
-             f"(of {twins['num_layers']}) | next-token match | KL |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for system in record["systems"]:
-        sm, fid = system["summary"], system["fidelity"]
-        depth = f"{sm['mean_exit_depth']:.1f}" + ("" if sm["exit_depth_measured"] else " (fixed)")
-        vs_static = _ratio(sm["ratio_vs_static_full_quant"])
-        lines.append(f"| {system_label(system)} | {sm['decode_tokens_per_s']:.1f} | {sm['speed_ratio']:.2f}x | "
-                     f"{vs_static} | {sm['prefill_ms']:.0f} | {depth} | {fid['match']:.1%} | {fid['kl']:.4f} |")
-    target = record.get("target")
-    if target:
-        met = "met" if target["met"] else "NOT met"
-        lines += ["", f"full-quant (river, tau=-1) runs at {target['full_quant_vs_static_full_quant']:.2f}x the "
-                      f"static full-quant model (target >= {target['target']}x: {met})"]
-    for key, what in (("versus_random", "speed"), ("versus_random_at_equal_depth", "mean exit depth")):
-        lines += _versus_random_lines(record.get(key), what)
-    return "\n".join(lines)
-
-
-def _versus_random_lines(comparison: dict | None, what: str) -> list[str]:
-    if not comparison:
-        return []
-    lines = ["", f"against random routing at equal {what} (match of the system minus the random curve's, "
-                 f"interpolated at the system's {what}):"]
-    lines += [f"- {name}: {_points(entry['delta'])} ({entry['beats']} of {entry['points']} comparable points "
-              f"above the curve" + ("" if entry["mean_delta"] is None else f"; mean {_points(entry['mean_delta'])}")
-              + _dominance(entry.get("dominates_fastest_random")) + ")" for name, entry in comparison.items()]
-    return lines
-
-
-def _dominance(margins: list[float] | None) -> str:
-    if not margins:
-        return ""
-    return (f"; {len(margins)} point(s) beyond the curve are also more faithful than its fastest point, by "
-            + ", ".join(f"{m * 100:+.1f} pp" for m in margins))
-
-
-def strategy_table(record: dict) -> str:
-    """The paper's Fig. 3 as a table: per KV strategy and tau, where the decode time goes, and what it costs."""
-    twins = record["twins"]
-    lines = [f"| strategy | tau | mean exit depth (of {twins['num_layers']}) | backbone ms/token | skipped-layer "
-             f"ms/token | total ms/token | vs backbone | next-token match | KL |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for system in record["systems"]:
-        sm, fid = system["summary"], system["fidelity"]
-        strategy = system["strategy"] or system["kind"]
-        tau = "" if system["tau"] is None else f"{system['tau']:g}"
-        lines.append(f"| {strategy} | {tau} | {sm['mean_exit_depth']:.1f} | {_ms(sm['backbone_ms_per_token'])} | "
-                     f"{_ms(sm['skipped_ms_per_token'])} | {sm['ms_per_token']:.1f} | {sm['speed_ratio']:.2f}x | "
-                     f"{fid['match']:.1%} | {fid['kl']:.4f} |")
-    return "\n".join(lines)
-
-
-def versus_random(systems: list[dict], axis: str = "speed") -> dict[str, dict]:
-    """Per exit signal: how much more faithful than random routing it is at the same speed (axis="speed"), or at the
-    same mean exit depth (axis="depth": the same share of backbone layers, router overhead aside).
-
-    The random curve is (x, match) of the random-routing systems plus the backbone (1.0x / full depth, 100%),
-    linearly interpolated. A system beyond the curve's fast end has no random system to compare with (random routing
-    exits at a uniformly drawn depth, so even p=1 keeps about half the layers on the backbone): its delta is None
-    and it is counted as `out_of_range`, not guessed."""
-    def x_of(system):  # oriented so that the backbone is the curve's slow end (smallest x)
-        return system["summary"]["speed_ratio"] if axis == "speed" else -system["summary"]["mean_exit_depth"]
-
-    backbone = next((s for s in systems if s["kind"] == "backbone"), None)
-    curve = sorted([(x_of(s), s["fidelity"]["match"]) for s in systems if s["kind"] == "random"]
-                   + ([(x_of(backbone), 1.0)] if backbone is not None else []))
-    if len(curve) < 2:
-        return {}
-    by_signal: dict[str, list[float | None]] = {}
-    dominating: dict[str, list[float]] = {}
-    for system in systems:
-        if system["kind"] in ("river", "strategy") and system.get("signal"):
-            x, match = x_of(system), system["fidelity"]["match"]
-            random_match = _interpolate(curve, x)
-            delta = None if random_match is None else match - random_match
-            system["fidelity"][f"match_minus_random_at_equal_{axis}"] = delta
-            label = system["signal"] if system["kind"] == "river" else f"{system['strategy']} ({system['signal']})"
-            by_signal.setdefault(label, []).append(delta)
-            if random_match is None and match > curve[-1][1]:  # beyond the curve AND more faithful than its end
-                dominating.setdefault(label, []).append(match - curve[-1][1])
-    return {label: {**_comparison(deltas), "dominates_fastest_random": dominating.get(label, [])}
-            for label, deltas in by_signal.items()}
-
-
-def _comparison(deltas: list[float | None]) -> dict:
-    compared = [d for d in deltas if d is not None]
-    return {"delta": deltas, "points": len(compared), "beats": sum(d > 0 for d in compared),
-            "out_of_range": len(deltas) - len(compared),
-            "mean_delta": sum(compared) / len(compared) if compared else None}
-
-
-def _interpolate(curve: list[tuple[float, float]], x: float) -> float | None:
-    """The curve's match at speed x; below its slowest point, its slowest point's; None beyond its fastest."""
-    if x <= curve[0][0]:
-        return curve[0][1]
-    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else max(y0, y1)
-    return None
-
-
-def _points(values) -> str:
-    if isinstance(values, list):
-        return ", ".join(_points(v) for v in values)
-    return "faster than any random point" if values is None else f"{values * 100:+.1f} pp"
-
-
-def _ratio(value) -> str:
-    return "" if value is None else f"{value:.2f}x"
-
-
-def _ms(value) -> str:
-    return "" if value is None else f"{value:.1f}"
-
-
-SYSTEM_LABELS = {"backbone": "backbone", "full-quant": "full-quant (river tau=-1)",
-                 "static-full-quant": "static full-quant (no router)"}
-
-
-def system_label(system: dict) -> str:
-    if system["kind"] in SYSTEM_LABELS:
-        return SYSTEM_LABELS[system["kind"]]
-    if system["kind"] == "random":
-        return f"random routing p={system['exit_rate']:g}"
-    if system["kind"] == "strategy":
-        return f"{system['strategy']} tau={system['tau']:g}"
-    signal = "" if system.get("signal") in (None, "cosine") else f" ({system['signal']})"
-    return f"river tau={system['tau']:g}{signal}"

@@ -15,11 +15,14 @@ from ..generation import RiverConfig
 
 
 class TokenClock(BaseStreamer):
-    """A streamer that only timestamps: `generate` calls `put` with the prompt, then once per new token."""
+    """A streamer that timestamps every token: `generate` calls `put` with the prompt (before prefill), then once per
+    new token, so `token_times` holds one time per generated token. `then` (e.g. a `TextStreamer`) gets every call
+    after the clock has read the time: the one token-timing path of bench, eval and `river-hf generate`."""
 
-    def __init__(self):
+    def __init__(self, then: BaseStreamer | None = None):
         self.start: float | None = None
         self.token_times: list[float] = []
+        self.then = then
 
     def put(self, value):
         if value.is_cuda:  # kernels run asynchronously: a token exists once its step has finished
@@ -29,9 +32,12 @@ class TokenClock(BaseStreamer):
             self.start = now
         else:
             self.token_times.append(now)
+        if self.then is not None:
+            self.then.put(value)
 
     def end(self):
-        pass
+        if self.then is not None:
+            self.then.end()
 
 
 @dataclass

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -21,9 +21,11 @@ from ..config import bits_label
 from ..generation import RiverConfig
 from ..settings import RiverSettings
 from ..signals import cosine_score, update_norm_score
+from ..strategies import strategy_names
 from ..architectures import find_decoder_layers
 from ..layers import RiverLayer, river_layers, twin_linears
 from ..patching import is_river
+from .fidelity import Fidelity, Reference, measure_fidelity
 
 # The packaged SmolLM2-135M: decoder layers 2-28 have cos(h_in, h_out) of about 0.92-0.98, so tau <= 0.9 exits
 # nearly every token after 2 layers and tau >= 0.995 hardly ever exits. The README sweep (4-bit group-64 twins) spans
@@ -35,6 +37,7 @@ GRID_QUANTILES = (0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9)
 QUICK_GRID_QUANTILES = (0.25, 0.5, 0.75)
 
 BACKBONE, FULL_QUANT, STATIC_FULL_QUANT = "backbone", "full-quant", "static-full-quant"
+EVAL_FULL_QUANT = "full-quant (tau=-1)"  # eval's reports have always named full quantization with its tau
 # KV strategies at two thresholds (the paper's Fig. 3): relaxed and strict, for the packaged SmolLM2 (cosine).
 SMOLLM2_STRATEGY_TAUS = (0.97, 0.985)
 STRATEGY_GRID_QUANTILES = (0.25, 0.75)
@@ -66,6 +69,10 @@ class System:
         return {"name": self.name, "kind": self.kind, "tau": self.tau, "signal": self.signal,
                 "strategy": self.strategy, "exit_rate": self.exit_rate}
 
+    def fidelity(self, river_model: nn.Module, references: list[Reference]) -> Fidelity:
+        """Teacher-forced fidelity against backbone references (on its own model, if it has one)."""
+        return measure_fidelity(self.model or river_model, references, self.river_settings)
+
 
 def fixed_length(max_new_tokens: int) -> dict:
     """Every speed run generates exactly this many tokens, greedily."""
@@ -82,8 +89,7 @@ def reference_systems(static_model: nn.Module, fixed: dict) -> list[System]:
 def signal_systems(signal: str, taus: list[float], fixed: dict, signal_layer: int | None = None) -> list[System]:
     """The river with one exit signal at each tau (the paper's cosine keeps the plain names `tau=t`)."""
     extra = {"signal_layer": signal_layer} if signal == "cosine_first" and signal_layer is not None else {}
-    return [System(river_name(tau, signal), "river", RiverConfig(tau=tau, exit_signal=signal, **extra, **fixed),
-                   tau=tau, signal=signal) for tau in taus]
+    return [river_system(tau, fixed, exit_signal=signal, **extra) for tau in taus]
 
 
 def random_systems(rates: list[float], seed: int, fixed: dict) -> list[System]:
@@ -99,8 +105,73 @@ def strategy_systems(strategies: list[str], taus: list[float], fixed: dict) -> l
                    tau=tau, signal="cosine", strategy=strategy) for strategy in strategies for tau in taus]
 
 
+def river_system(tau: float, fixed: dict | None = None, **river) -> System:
+    """The river at one tau with any other river settings (`exit_signal`, `kv_strategy`, ...): what calibrate probes."""
+    signal = river.get("exit_signal", "cosine")
+    return System(river_name(tau, signal), "river", RiverConfig(tau=tau, **river, **(fixed or {})), tau=tau,
+                  signal=signal, strategy=river.get("kv_strategy"))
+
+
+def eval_systems(taus: list[float], river: bool = True, generation: dict | None = None, **settings) -> list[System]:
+    """What `river-hf eval` compares, named as its reports name them: the backbone, then (with `river`) full
+    quantization and the river at each tau (repeated taus once; tau -1 is full quantization already), the river with
+    any other river `settings` (`exit_signal`, `kv_strategy`, ...)."""
+    generation = generation or {}
+    systems = [System(BACKBONE, "backbone", GenerationConfig(**generation))]
+    if river:
+        systems.append(System(EVAL_FULL_QUANT, "full-quant", RiverConfig(tau=-1.0, **generation), tau=-1.0))
+        for tau in dict.fromkeys(tau for tau in taus if tau != -1):
+            system = river_system(tau, generation, **settings)
+            systems.append(replace(system, name=f"river {river_name(tau, system.signal)}"))
+    return systems
+
+
 def river_name(tau: float, signal: str = "cosine") -> str:
     return f"tau={tau:g}" if signal == "cosine" else f"{signal} tau={tau:g}"
+
+
+@dataclass
+class Sweep:
+    """What one bench run compares, as plain values: the cosine river at `taus` (None: `default_taus`) with the
+    references, each of `signals` at `signal_taus` (None: quantiles of its own scores), random routing at
+    `exit_rates` (None: EXIT_RATES, or QUICK_EXIT_RATES with `quick`); or, given `strategies` (names, or "all"), the
+    backbone and each KV strategy at `strategy_taus` instead. `packaged`: the model is the packaged SmolLM2, whose
+    measured grids are used."""
+
+    taus: list[float] | None = None
+    signals: list[str] = field(default_factory=list)
+    signal_taus: list[float] | None = None
+    signal_layer: int | None = None
+    exit_rates: list[float] | None = None
+    seed: int = 0
+    strategies: list[str] | None = None
+    strategy_taus: list[float] | None = None
+    packaged: bool = False
+    quick: bool = False
+
+    def systems(self, river_model: nn.Module, inputs: dict, max_new_tokens: int) -> list[System]:
+        """The systems, every one generating exactly `max_new_tokens`; `inputs`: one chat prompt, for the grids
+        taken from the model's own scores."""
+        fixed = fixed_length(max_new_tokens)
+        if self.strategies:
+            names = list(strategy_names()) if "all" in self.strategies else list(dict.fromkeys(self.strategies))
+            taus = self.strategy_taus or strategy_taus(river_model, inputs, self.packaged)
+            return [reference_systems(None, fixed)[0], *strategy_systems(names, taus, fixed)]
+        taus = self.taus if self.taus is not None else default_taus(river_model, inputs, self.packaged, self.quick)
+        systems = reference_systems(static_full_quant(river_model), fixed)
+        systems += signal_systems("cosine", river_taus(taus), fixed)
+        for signal in dict.fromkeys(self.signals):
+            grid = self.signal_taus or signal_taus(river_model, inputs, signal, self.quick, self.signal_layer)
+            systems += signal_systems(signal, river_taus(grid), fixed, self.signal_layer)
+        rates = self.exit_rates
+        if rates is None:
+            rates = QUICK_EXIT_RATES if self.quick else EXIT_RATES
+        return systems + random_systems(list(rates), self.seed, fixed)
+
+
+def river_taus(taus: list[float]) -> list[float]:
+    """The grid without duplicates and without tau <= -1 (that is full-quant, measured anyway)."""
+    return sorted({float(tau) for tau in taus if tau > -1.0})
 
 
 def static_full_quant(river_model: nn.Module) -> nn.Module:

@@ -1,0 +1,100 @@
+"""`river-hf bench`: the command-line face of `river_hf.bench.run.bench` (options, table, record, plots)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from ..signals import signal_names
+from ..strategies import strategy_names
+from . import common
+from .common import CLIError
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="Speed, exit depth, memory and fidelity of backbone, full quantization and river taus.",
+        description="In one process, on the same prompts: the backbone, full quantization (the river at tau=-1), "
+                    "a static full-quantization model (the twins as plain layers, no router) and the river at each "
+                    "tau. Speed runs are interleaved after a warm-up (decode tok/s, median; prefill ms; exit-depth "
+                    "histogram); fidelity is teacher-forced next-token match and KL(backbone || system) along the "
+                    "backbone's own greedy continuations. Writes a JSON record with every raw timing, two PNG plots "
+                    "beside it, and prints a markdown table.")
+    parser.add_argument("--taus", type=float, nargs="+", default=None, metavar="T",
+                        help="The river's taus (default: 0.95-0.995 for the packaged SmolLM2, see "
+                             "river_hf.bench.systems.SMOLLM2_TAUS; for other models, quantiles of their own layer "
+                             "similarities). Full quantization (tau=-1) always runs.")
+    parser.add_argument("--quick", action="store_true",
+                        help="A smoke run: 2 prompts x 1 round x 64 tokens, 3 taus, fidelity on 3 prompts x 32 tokens "
+                             "(explicit options still win). About 2 minutes for SmolLM2 on 2 CPU cores.")
+    parser.add_argument("--prompts", type=common.positive_int, default=None, metavar="N", help="Speed prompts (3).")
+    parser.add_argument("--rounds", type=common.positive_int, default=None, metavar="N", help="Speed rounds (2).")
+    parser.add_argument("--max-new-tokens", type=common.positive_int, default=None, metavar="N",
+                        help="Tokens every speed run generates (128).")
+    parser.add_argument("--fidelity-prompts", type=common.positive_int, default=None, metavar="N", help="(6)")
+    parser.add_argument("--fidelity-tokens", type=common.positive_int, default=None, metavar="N",
+                        help="Length of each backbone continuation fidelity is measured along (64).")
+    parser.add_argument("--output", default=None, metavar="PATH",
+                        help="JSON file, or a folder to write bench-<timestamp>.json in (default: "
+                             "runs/bench-<timestamp>.json); the plots go beside it.")
+    parser.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
+    _add_sweep_args(parser)
+    common.add_prompt_args(parser, split="test")
+    common.add_model_args(parser)
+    common.add_twin_args(parser)
+    parser.set_defaults(run=run, subparser=parser)
+
+
+def _add_sweep_args(parser: argparse.ArgumentParser) -> None:
+    signals = parser.add_argument_group("exit signals and the random-routing baseline")
+    signals.add_argument("--signals", nargs="+", default=[], metavar="NAME",
+                         choices=[name for name in signal_names() if name not in ("cosine", "random")],
+                         help="Exit signals to sweep besides the paper's cosine, each at quantiles of its own "
+                              "scores (or --signal-taus).")
+    signals.add_argument("--signal-taus", type=float, nargs="+", default=None, metavar="T",
+                         help="The taus of every signal in --signals (default: quantiles of its scores).")
+    signals.add_argument("--signal-layer", type=common.positive_int, default=None, metavar="D",
+                         help="cosine_first: the depth at which it decides (default: the first eligible one).")
+    signals.add_argument("--exit-rates", type=common.probability, nargs="*", default=None, metavar="P",
+                         help="Random routing (each decoded token exits with probability P at a random layer) at "
+                              "these rates, drawn as the baseline curve; none given: no baseline (default: "
+                              "0.2 0.4 0.6 0.8 1.0; --quick: 0.3 0.6 1.0).")
+    signals.add_argument("--seed", type=int, default=0, help="Seed of the random routing (default: %(default)s).")
+    strategies = parser.add_argument_group("KV strategies (the paper's Fig. 3)")
+    strategies.add_argument("--strategies", nargs="+", default=None, metavar="NAME",
+                            choices=["all", *strategy_names()],
+                            help="Instead of the tau sweep: the backbone and each KV strategy ('all': "
+                                 f"{', '.join(strategy_names())}) at two thresholds, with where the decode time goes.")
+    strategies.add_argument("--strategy-taus", type=float, nargs=2, default=None, metavar=("RELAXED", "STRICT"),
+                            help="The two thresholds (default: 0.97 0.985 for the packaged SmolLM2, else the 25%% "
+                                 "and 75%% quantiles of the model's layer similarities).")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench import records, report
+    from ..bench.run import FULL, QUICK, bench, environment
+    from ..bench.systems import Sweep
+
+    if args.taus is not None and not all(math.isfinite(tau) for tau in args.taus):
+        raise CLIError(f"--taus must be real numbers; got {args.taus}.")
+    quant_config = common.twin_config(args)
+    output = common.output_path(args, records.default_name("bench"))
+    settings = (QUICK if args.quick else FULL).with_overrides(**vars(args))
+    prompt_set = common.load_prompts(args, settings.prompts_used)
+    model_id, started = common.model_id(args), environment()
+    model, tokenizer = common.load(args)
+    model = common.build(model, quant_config)
+    sweep = Sweep(taus=args.taus, signals=args.signals, signal_taus=args.signal_taus, signal_layer=args.signal_layer,
+                  exit_rates=args.exit_rates, seed=args.seed, strategies=args.strategies,
+                  strategy_taus=args.strategy_taus, packaged=args.model is None and args.gguf_file is None,
+                  quick=args.quick)
+    record = bench(model, tokenizer, prompt_set.prompts, settings, sweep, model_id=model_id,
+                   prompt_source=prompt_set.source, arguments=common.arguments(args), started=started)
+    output = records.write_record(record, output)
+    print(report.strategy_table(record) if args.strategies else report.markdown_table(record))
+    print(f"\nrecord: {output}")
+    if not args.no_plots:
+        from ..bench.plots import write_plots
+
+        print("plots: " + ", ".join(map(str, write_plots(record, output))))
+    return 0

@@ -1,0 +1,272 @@
+"""What the subcommands share: argument groups (model, twins, river, prompts, output), argument types, and loading
+a model or its inputs with errors the user can act on.
+
+The river flags derive from `RiverSettings`: name, default and help of each come from its field, the choices from the
+registries (`signal_names()`, `strategy_names()`), so a new field or signal reaches the CLI without an edit here.
+Every user error is a `CLIError`; `cli.main` prints it after the subcommand's usage and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import contextmanager
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+from ..config import RiverQuantConfig, bits_label
+from ..generation import RiverConfig
+from ..models import load_model_and_tokenizer
+from ..patching import build_river
+from ..settings import PREFILL_EXITS, RiverSettings, river_field_help
+from ..signals import signal_names
+from ..strategies import strategy_names
+
+AUTO_TAU = "auto"
+
+
+class CLIError(Exception):
+    """A user-facing error: main prints it after the subcommand's name and exits with status 2, like argparse."""
+
+
+@contextmanager
+def user_errors(prefix: str = ""):
+    """ValueErrors raised inside (the library's errors on user input, naming the field) become CLIErrors."""
+    try:
+        yield
+    except ValueError as error:
+        raise CLIError(f"{prefix}{error}") from error
+
+
+# ---- argument types ---------------------------------------------------------------------------------------------
+def int_at_least(minimum: int, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return int_at_least(1, text)
+
+
+def non_negative_int(text: str) -> int:
+    return int_at_least(0, text)
+
+
+def probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a probability between 0 and 1, got {text}")
+    return value
+
+
+def tau_arg(text: str) -> float | str:
+    if text.strip().lower() == AUTO_TAU:
+        return AUTO_TAU
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid float value: {text!r} (give a number, or 'auto' for the tau `river-hf calibrate` saved)"
+        ) from None
+
+
+def prefill_exit_arg(text: str) -> str | int:
+    if text in PREFILL_EXITS:
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(PREFILL_EXITS)} or a number of layers >= 1; "
+                                         f"got {text!r}") from None
+
+
+def nbits_arg(text: str) -> int | list[int]:
+    """'4' -> 4; '8*2,4*3' or '8,8,4,4,4' -> [8, 8, 4, 4, 4]."""
+    try:
+        if "," not in text and "*" not in text:
+            return int(text)
+        schedule = []
+        for part in text.split(","):
+            bits, _, count = part.partition("*")
+            schedule += [int(bits)] * (int(count) if count else 1)
+        return schedule
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bits (e.g. 4) or a schedule (e.g. 8*8,4*21); got {text!r}")
+
+
+def group_size_arg(text: str) -> int | None:
+    return None if text.strip().lower() == "none" else positive_int(text)
+
+
+# ---- the model --------------------------------------------------------------------------------------------------
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=None, metavar="ID_OR_PATH",
+                       help="Hub id, local folder or .gguf file (default: the packaged SmolLM2-135M-Instruct GGUF, "
+                            "dequantized). The model runs in bf16.")
+    group.add_argument("--gguf-file", default=None, metavar="NAME",
+                       help="GGUF file inside --model (a folder or hub id).")
+    group.add_argument("--device", default="cpu", help="Torch device to run on (default: %(default)s).")
+
+
+def load(args: argparse.Namespace):
+    """(model, tokenizer) of --model/--gguf-file on --device, in bf16."""
+    try:
+        return load_model_and_tokenizer(args.model, args.gguf_file, dtype=torch.bfloat16, device=args.device)
+    except (OSError, ValueError, ModuleNotFoundError) as error:  # missing files, bad paths, offline hub ids
+        raise CLIError(f"could not load the model: {error}") from error
+
+
+def model_id(args: argparse.Namespace) -> str:
+    """The stable name calibrations are kept under (see `bench.calibrate.model_id`)."""
+    from ..bench.calibrate import model_id as calibration_model_id
+
+    try:
+        return calibration_model_id(args.model, args.gguf_file)
+    except (OSError, ValueError) as error:
+        raise CLIError(f"could not load the model: {error}") from error
+
+
+def num_layers(model) -> int:
+    return model.config.get_text_config(decoder=True).num_hidden_layers
+
+
+# ---- the twins --------------------------------------------------------------------------------------------------
+def add_twin_args(parser: argparse.ArgumentParser) -> None:
+    from ..quantize import BACKENDS
+
+    group = parser.add_argument_group("twins")
+    group.add_argument("--nbits", type=nbits_arg, default=4, metavar="N|SCHEDULE",
+                       help="Bits per twin weight (default: %(default)s), or a schedule with one entry per river layer "
+                            "(layers start_layer..L-1), where B*K repeats B K times: e.g. 8*8,4*21 for SmolLM2's 29 "
+                            "river layers.")
+    group.add_argument("--quantize-lm-head", action="store_true",
+                       help="Steps that exited also use a quantized copy of the LM head (the backbone keeps its own).")
+    group.add_argument("--lm-head-nbits", type=int, default=8, metavar="N",
+                       help="Bits of the quantized LM head (default: %(default)s).")
+    group.add_argument("--group-size", type=group_size_arg, default=64, metavar="N",
+                       help="HQQ quantization group size, or 'none' for one group per row (default: %(default)s).")
+    group.add_argument("--start-layer", type=positive_int, default=1, metavar="L",
+                       help="First decoder layer with a twin (default: %(default)s).")
+    group.add_argument("--backend", default="auto", choices=BACKENDS,
+                       help="Twin kernel; 'auto' picks the fastest for the device (default: %(default)s).")
+
+
+def twin_config(args: argparse.Namespace) -> RiverQuantConfig:
+    with user_errors():
+        return RiverQuantConfig(nbits=args.nbits, group_size=args.group_size, start_layer=args.start_layer,
+                                backend=args.backend, quantize_lm_head=args.quantize_lm_head,
+                                lm_head_nbits=args.lm_head_nbits)
+
+
+def build(model, quant_config: RiverQuantConfig):
+    """`build_river`, announced on stderr (quantizing takes a while)."""
+    layers = max(num_layers(model) - quant_config.start_layer, 0)
+    print(f"building river: quantizing {layers} layers ({bits_label(quant_config.nbits)}-bit twins, group "
+          f"{quant_config.group_size})...", file=sys.stderr, flush=True)
+    with user_errors():  # e.g. --start-layer beyond the model's depth
+        return build_river(model, quant_config)
+
+
+# ---- the river: flags derived from RiverSettings ----------------------------------------------------------------
+# How each field's flag parses; its name, default and help come from the field itself.
+RIVER_FLAG_TYPES = {
+    "tau": lambda: dict(type=tau_arg, metavar="TAU"),
+    "exit_signal": lambda: dict(choices=[name for name in signal_names() if name != "random"]),
+    "kv_strategy": lambda: dict(choices=strategy_names()),
+    "prefill_exit": lambda: dict(type=prefill_exit_arg, metavar="|".join(PREFILL_EXITS) + "|K"),
+    "min_exit_layer": lambda: dict(type=positive_int, metavar="D"),
+    "signal_layer": lambda: dict(type=positive_int, metavar="D"),
+}
+RIVER_FLAGS = ("tau", "exit_signal", "kv_strategy")
+CLI_HELP = {"tau": " 'auto': the tau `river-hf calibrate` saved for this model and twins (README 'Choosing tau')."}
+
+
+def add_river_args(parser: argparse.ArgumentParser, names: tuple[str, ...] = RIVER_FLAGS) -> None:
+    """--no-river, a flag per RiverSettings field in `names` (--exit-signal for exit_signal), and the twin flags."""
+    group = parser.add_argument_group("river")
+    defaults = {f.name: f.default for f in fields(RiverSettings)}
+    for name in names:
+        help_text = (river_field_help(name) + CLI_HELP.get(name, "")).replace("%", "%%")
+        help_text += "" if defaults[name] is None else " (default: %(default)s)"
+        group.add_argument("--" + name.replace("_", "-"), default=defaults[name], **RIVER_FLAG_TYPES[name](),
+                           help=help_text)
+    group.add_argument("--no-river", action="store_true", help="Run the plain backbone: no twins, no exits.")
+    parser.set_defaults(river_flags=names)
+    add_twin_args(parser)  # the same twin options as bench/calibrate, so `--tau auto` finds their calibrations
+
+
+def river_settings(args: argparse.Namespace) -> dict:
+    """The river fields the command's flags set (not --tau, which may be 'auto'): RiverConfig keyword arguments."""
+    return {name: getattr(args, name) for name in args.river_flags if name != "tau"}
+
+
+def river_configs(args: argparse.Namespace, **generation_kwargs):
+    """(RiverQuantConfig or None, generation config), validated before the model loads so typos fail fast."""
+    if args.no_river:
+        with user_errors():
+            return None, GenerationConfig(**generation_kwargs)
+    quant_config = twin_config(args)
+    args.tau = resolve_tau(args, quant_config)  # `--tau auto` becomes the calibrated value
+    with user_errors():
+        return quant_config, RiverConfig(tau=args.tau, **river_settings(args), **generation_kwargs)
+
+
+def resolve_tau(args: argparse.Namespace, quant_config: RiverQuantConfig):
+    """`args.tau`, or for 'auto' the tau saved by `river-hf calibrate` for this model, twins and device."""
+    if args.tau != AUTO_TAU:
+        return args.tau
+    from ..bench import calibrate
+
+    key = calibrate.calibration_key(model_id(args), quant_config, args.device)
+    entry = calibrate.lookup_calibration(key)
+    if entry is None:
+        raise CLIError(
+            f"--tau auto: no calibration saved for [{key}] in {calibrate.calibration_path()}. Run `river-hf calibrate "
+            f"--target-match 0.98` with the same --model/--gguf-file/--nbits/--group-size/--start-layer/--device "
+            f"first (set {calibrate.CACHE_ENV} if you keep calibrations elsewhere), or give --tau a number.")
+    print(f"tau auto: {entry['tau']:g} (calibrated for match >= {entry['target_match']:g}: measured "
+          f"{entry['match']:.1%}, KL {entry['kl']:.4f}, on {entry['prompts']['count']} prompts)", file=sys.stderr)
+    return float(entry["tau"])
+
+
+# ---- prompts and outputs ----------------------------------------------------------------------------------------
+def add_prompt_args(parser: argparse.ArgumentParser, split: str) -> None:
+    group = parser.add_argument_group("prompts")
+    group.add_argument("--data", default=None, metavar="PATH",
+                       help=f"A local JSONL file with a 'question' or 'prompt' field per line (default: GSM8K {split} "
+                            f"questions from $RIVER_HF_DATA/gsm8k, else ../shared/data/gsm8k beside the repository).")
+    group.add_argument("--dataset", default=None, metavar="HUB_ID[:CONFIG]",
+                       help="A hub dataset instead, e.g. openai/gsm8k:main (needs the `datasets` package).")
+    group.add_argument("--split", default=split, help="Split of GSM8K / --dataset (default: %(default)s).")
+
+
+def load_prompts(args: argparse.Namespace, count: int):
+    from ..bench.data import load_prompts as load
+
+    with user_errors():
+        return load(count, data=args.data, dataset=args.dataset, split=args.split)
+
+
+def output_path(args: argparse.Namespace, name: str) -> Path:
+    """--output checked before anything loads: a folder gets `name` inside it; an unwritable place fails now."""
+    from ..bench.records import resolve_output
+
+    with user_errors():
+        return resolve_output(args.output, name, flag="--output")
+
+
+def arguments(args: argparse.Namespace) -> dict:
+    """The parsed arguments, for the JSON record."""
+    return {key: value for key, value in vars(args).items() if key not in ("run", "subparser", "river_flags")}

@@ -1,0 +1,70 @@
+"""`river-hf generate`: stream the answer to one prompt, then one summary line (speed, prefill, exit depth).
+
+    river-hf generate "What is 2+3?"              # the packaged SmolLM2-135M-Instruct, river at DEFAULT_TAU
+    river-hf generate "What is 2+3?" --no-river   # the plain bf16 backbone, for comparison
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from transformers import TextStreamer, set_seed
+
+from ..bench.speed import TokenClock
+from ..config import bits_label
+from ..display import GenerationStats, render_exits, token_exit_depths
+from ..models import build_chat_inputs
+from . import common
+from .common import CLIError
+
+# generate shows the river's own settings; the others (exit rate, seed, policy) belong to measurements
+RIVER_FLAGS = ("tau", "exit_signal", "kv_strategy", "prefill_exit", "min_exit_layer", "signal_layer")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="Stream the answer to one prompt and report speed and exit depth.",
+        description="Stream the model's answer to PROMPT (chat template, greedy unless --sample), then print one "
+                    "summary line: decode speed in tokens/s (from the first new token to the last, so the prompt's "
+                    "prefill is not counted; it is shown apart), and with the river the mean exit depth of the decode "
+                    "steps (backbone layers run, of all) and the share of them that left the backbone early.")
+    parser.add_argument("prompt", help="The user message.")
+    parser.add_argument("--max-new-tokens", type=common.positive_int, default=128, metavar="N",
+                        help="Most tokens to generate (default: %(default)s).")
+    parser.add_argument("--sample", action="store_true", help="Sample instead of greedy decoding.")
+    parser.add_argument("--seed", type=int, default=None, metavar="N",
+                        help="Seed of the sampling (matters with --sample).")
+    parser.add_argument("--show-exits", action="store_true",
+                        help="Afterwards, print the answer again with each token coloured by its exit depth "
+                             "(set NO_COLOR for plain text with the depth after each token).")
+    common.add_model_args(parser)
+    common.add_river_args(parser, RIVER_FLAGS)
+    parser.set_defaults(run=run, subparser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.show_exits and args.no_river:
+        raise CLIError("--show-exits needs the river: it has no exits to show with --no-river.")
+    quant_config, generation_config = common.river_configs(args, max_new_tokens=args.max_new_tokens,
+                                                           do_sample=args.sample, return_dict_in_generate=True)
+    model, tokenizer = common.load(args)
+    if quant_config is not None:
+        model = common.build(model, quant_config)
+    if args.seed is not None:
+        set_seed(args.seed)
+    inputs = build_chat_inputs(tokenizer, args.prompt, model.device)
+    clock = TokenClock(then=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
+    out = model.generate(**inputs, generation_config=generation_config, streamer=clock)
+    prompt_length = inputs["input_ids"].shape[1]
+    new_ids = out.sequences[0, prompt_length:].tolist()
+    depths = token_exit_depths(out.cache, prompt_length, len(new_ids)) if quant_config is not None else None
+    stats = GenerationStats.collect(clock, common.num_layers(model), depths)
+    river = None if quant_config is None else (
+        f"tau {args.tau:g}, {bits_label(quant_config.nbits)}-bit twins, group {quant_config.group_size}, "
+        f"from layer {quant_config.start_layer}")
+    print(stats.summary_line(river))
+    if args.show_exits:
+        print(render_exits(tokenizer, new_ids, depths, quant_config.start_layer, stats.num_layers,
+                           color=not os.environ.get("NO_COLOR")))
+    return 0

@@ -1,0 +1,37 @@
+"""`river-hf plot`: several bench records (e.g. one per twin precision) on one speed-vs-match plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from . import common
+from .common import CLIError
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plot", help="Overlay several bench records (e.g. one per twin precision) on one speed-vs-match plot.",
+        description="Reads `river-hf bench` JSON records and draws each one's cosine tau sweep, full-quantization "
+                    "point and random-routing curve on one plane. Ratios stay each run's own (to its backbone).")
+    parser.add_argument("records", nargs="+", metavar="RECORD.json")
+    parser.add_argument("--output", required=True, metavar="PNG",
+                        help="The PNG file, or a folder to write plot-<timestamp>.png in.")
+    parser.set_defaults(run=run, subparser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.plots import precisions_figure, save
+    from ..bench.records import default_name
+
+    output = common.output_path(args, default_name("plot", ".png"))
+    records = []
+    for path in args.records:
+        try:
+            records.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as error:
+            raise CLIError(f"could not read bench record {path!r}: {error}") from error
+    save(precisions_figure(records), output)
+    print(f"plot: {output}")
+    return 0
