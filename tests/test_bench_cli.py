@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import river_hf
-from river_hf.bench import data as bench_prompts
+from river_hf.bench import data as bench_data
 from river_hf.bench.plots import pareto_front
 from river_hf.bench.report import versus_random
 from river_hf.bench.run import FULL, QUICK, SCHEMA, BenchSettings
@@ -289,28 +289,28 @@ def test_pareto_front_keeps_the_undominated_points():
 # ---- prompts ----------------------------------------------------------------------------------------------------
 def test_prompts_from_a_jsonl_with_question_or_prompt(tmp_path):
     path = write_questions(tmp_path / "p.jsonl", ["a", "b", "c"], field="prompt")
-    assert bench_prompts.load_prompts(2, data=path).prompts == ["a", "b"]
+    assert bench_data.load_prompts(2, data=path).prompts == ["a", "b"]
 
 
 def test_gsm8k_is_found_through_the_environment(tmp_path, monkeypatch):
     (tmp_path / "gsm8k").mkdir()
     write_questions(tmp_path / "gsm8k" / "train.jsonl", ["q1", "q2"])
-    monkeypatch.setenv(bench_prompts.DATA_ENV, str(tmp_path))
-    found = bench_prompts.load_prompts(5, split="train")
+    monkeypatch.setenv(bench_data.DATA_ENV, str(tmp_path))
+    found = bench_data.load_prompts(5, split="train")
     assert found.prompts == ["q1", "q2"] and found.source == str(tmp_path / "gsm8k" / "train.jsonl")
 
 
 def test_missing_gsm8k_says_where_it_looked(tmp_path, monkeypatch):
-    monkeypatch.setenv(bench_prompts.DATA_ENV, str(tmp_path))
-    monkeypatch.setattr(bench_prompts, "REPO_ROOT", tmp_path / "repo")
+    monkeypatch.setenv(bench_data.DATA_ENV, str(tmp_path))
+    monkeypatch.setattr(bench_data, "REPO_ROOT", tmp_path / "repo")
     with pytest.raises(ValueError, match="RIVER_HF_DATA.*`--data`"):
-        bench_prompts.load_prompts(2)
+        bench_data.load_prompts(2)
 
 
 def test_hub_dataset_without_datasets_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ModuleNotFoundError
     with pytest.raises(ValueError, match="needs the `datasets` package"):
-        bench_prompts.load_prompts(2, dataset="openai/gsm8k:main")
+        bench_data.load_prompts(2, dataset="openai/gsm8k:main")
 
 
 @pytest.mark.parametrize("lines, message", [
@@ -322,7 +322,7 @@ def test_bad_prompt_files(tmp_path, lines, message):
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=message):
-        bench_prompts.load_prompts(2, data=str(path))
+        bench_data.load_prompts(2, data=str(path))
 
 
 # ---- bad arguments are usage errors, before any model loads ------------------------------------------------------

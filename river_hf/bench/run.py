@@ -31,7 +31,14 @@ from ..patching import is_river
 from .fidelity import Fidelity, backbone_references
 from .report import full_quant_target, versus_random
 from .speed import Timing, interleaved, median_rate
-from .systems import BACKBONE, STATIC_FULL_QUANT, Sweep, System, twin_description, weight_bytes
+from .systems import (
+    BACKBONE,
+    STATIC_FULL_QUANT,
+    Sweep,
+    System,
+    twin_description,
+    weight_bytes,
+)
 
 SCHEMA = "river-hf-bench/1"
 

@@ -17,14 +17,14 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
+from ..architectures import find_decoder_layers
 from ..config import bits_label
 from ..generation import RiverConfig
+from ..layers import RiverLayer, river_layers, twin_linears
+from ..patching import is_river
 from ..settings import RiverSettings
 from ..signals import cosine_score, update_norm_score
 from ..strategies import strategy_names
-from ..architectures import find_decoder_layers
-from ..layers import RiverLayer, river_layers, twin_linears
-from ..patching import is_river
 from .fidelity import Fidelity, Reference, measure_fidelity
 
 # The packaged SmolLM2-135M: decoder layers 2-28 have cos(h_in, h_out) of about 0.92-0.98, so tau <= 0.9 exits

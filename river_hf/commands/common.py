@@ -182,12 +182,12 @@ def build(model, quant_config: RiverQuantConfig):
 # ---- the river: flags derived from RiverSettings ----------------------------------------------------------------
 # How each field's flag parses; its name, default and help come from the field itself.
 RIVER_FLAG_TYPES = {
-    "tau": lambda: dict(type=tau_arg, metavar="TAU"),
-    "exit_signal": lambda: dict(choices=[name for name in signal_names() if name != "random"]),
-    "kv_strategy": lambda: dict(choices=strategy_names()),
-    "prefill_exit": lambda: dict(type=prefill_exit_arg, metavar="|".join(PREFILL_EXITS) + "|K"),
-    "min_exit_layer": lambda: dict(type=positive_int, metavar="D"),
-    "signal_layer": lambda: dict(type=positive_int, metavar="D"),
+    "tau": lambda: {"type": tau_arg, "metavar": "TAU"},
+    "exit_signal": lambda: {"choices": [name for name in signal_names() if name != "random"]},  # random: bench only
+    "kv_strategy": lambda: {"choices": strategy_names()},
+    "prefill_exit": lambda: {"type": prefill_exit_arg, "metavar": "|".join(PREFILL_EXITS) + "|K"},
+    "min_exit_layer": lambda: {"type": positive_int, "metavar": "D"},
+    "signal_layer": lambda: {"type": positive_int, "metavar": "D"},
 }
 RIVER_FLAGS = ("tau", "exit_signal", "kv_strategy")
 CLI_HELP = {"tau": " 'auto': the tau `river-hf calibrate` saved for this model and twins (README 'Choosing tau')."}

@@ -103,7 +103,7 @@ def _prepare(args: argparse.Namespace, task: str):
     for tau in args.taus if args.taus is not None else [args.tau]:  # each tau through the shared checks
         quant_config, config = common.river_configs(argparse.Namespace(**{**vars(args), "tau": tau}))
         taus.append(getattr(config, "tau", tau))  # as resolved there
-    generation = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    generation = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     with common.user_errors():
         systems = eval_systems(taus, not args.no_river, generation, **common.river_settings(args))
     return quant_config, systems, common.output_path(args, default_name(f"eval-{task}"))
