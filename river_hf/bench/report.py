@@ -4,6 +4,7 @@ target, and the comparison of each exit signal with random routing at equal spee
 
 from __future__ import annotations
 
+from .bytes import byte_limit_lines
 from .systems import FULL_QUANT, STATIC_FULL_QUANT, twin_label
 
 # The paper's premise: full quantization through the river should run close to a model that simply is quantized.
@@ -21,19 +22,29 @@ def full_quant_target(systems: list[dict]) -> dict | None:
 # ---- the tables --------------------------------------------------------------------------------------------------
 def markdown_table(record: dict) -> str:
     """The twin configuration and the settings, then one row per system (and the comparisons that apply)."""
-    s, twins = record["settings"], record["twins"]
-    lines = [twin_label(twins) + f" · model {record['model']['id']} on {record['model']['device']}",
+    s, twins, env = record["settings"], record["twins"], record["environment"]
+    machine = f"{env.get('cpu_capability') or 'unknown'} CPU capability, {env['torch_threads']} threads"
+    fidelity = (f"fidelity: teacher-forced, {s['fidelity_prompts']} prompts x {s['fidelity_tokens']} backbone tokens"
+                if isinstance(record.get("fidelity", {}), dict) else f"fidelity {record['fidelity']}")
+    lines = [twin_label(twins) + f" · model {record['model']['id']} on {record['model']['device']} · {machine}",
              f"speed: {s['prompts']} prompts x {s['rounds']} rounds, {s['max_new_tokens']} new tokens, batch 1, "
-             f"interleaved after warm-up, median; fidelity: teacher-forced, {s['fidelity_prompts']} prompts x "
-             f"{s['fidelity_tokens']} backbone tokens; {record['environment']['torch_threads']} threads", "",
-             f"| system | decode tok/s | vs backbone | vs static full-quant | prefill ms | mean exit depth "
-             f"(of {twins['num_layers']}) | next-token match | KL |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"interleaved after warm-up, median; {fidelity}", "",
+             f"| system | decode tok/s | vs backbone | byte limit | share of limit | vs static full-quant | prefill ms "
+             f"| mean exit depth (of {twins['num_layers']}) | next-token match | KL |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for system in record["systems"]:
         sm, fid = system["summary"], system["fidelity"]
         depth = f"{sm['mean_exit_depth']:.1f}" + ("" if sm["exit_depth_measured"] else " (fixed)")
-        vs_static = _ratio(sm["ratio_vs_static_full_quant"])
+        match = "n/a" if fid["match"] is None else f"{fid['match']:.1%}"
+        kl = "n/a" if fid["kl"] is None else f"{fid['kl']:.4f}"
         lines.append(f"| {system_label(system)} | {sm['decode_tokens_per_s']:.1f} | {sm['speed_ratio']:.2f}x | "
-                     f"{vs_static} | {sm['prefill_ms']:.0f} | {depth} | {fid['match']:.1%} | {fid['kl']:.4f} |")
+                     f"{_ratio(sm.get('byte_ratio'))} | {_share(sm.get('share_of_byte_limit'))} | "
+                     f"{_ratio(sm['ratio_vs_static_full_quant'])} | {sm['prefill_ms']:.0f} | {depth} | {match} | "
+                     f"{kl} |")
+    limits = byte_limit_lines(record["systems"])
+    if limits:
+        lines += ["", "how far from the byte limit (weight bytes a decoded token reads; the backbone's over the "
+                      "system's is the speed-up a purely memory-bound decode could reach):", *limits]
     target = record.get("target")
     if target:
         met = "met" if target["met"] else "NOT met"
@@ -137,6 +148,10 @@ def _ratio(value) -> str:
     return "" if value is None else f"{value:.2f}x"
 
 
+def _share(value) -> str:
+    return "" if value is None else f"{value:.0%}"
+
+
 def _ms(value) -> str:
     return "" if value is None else f"{value:.1f}"
 
@@ -146,8 +161,8 @@ SYSTEM_LABELS = {"backbone": "backbone", "full-quant": "full-quant (river tau=-1
 
 
 def system_label(system: dict) -> str:
-    if system["kind"] in SYSTEM_LABELS:
-        return SYSTEM_LABELS[system["kind"]]
+    if system["kind"] in SYSTEM_LABELS:  # a named variant (--random-model: "static 4-bit+head") keeps its name
+        return SYSTEM_LABELS[system["kind"]] if system["name"] == system["kind"] else system["name"]
     if system["kind"] == "random":
         return f"random routing p={system['exit_rate']:g}"
     if system["kind"] == "strategy":

@@ -28,6 +28,8 @@ from tqdm.auto import tqdm
 
 from ..models import build_chat_inputs
 from ..patching import is_river
+from .. import kernel_choice
+from .bytes import add_byte_limits
 from .fidelity import Fidelity, backbone_references
 from .report import full_quant_target, versus_random
 from .speed import Timing, interleaved, median_rate
@@ -85,18 +87,22 @@ def bench(model, tokenizer, prompts: list[str], settings: BenchSettings = FULL, 
     return finish_record(record, model_id, str(model.device), prompt_source, prompts, arguments, started)
 
 
-def run_bench(model, prompt_inputs: list[dict], settings: BenchSettings, systems: list[System]) -> dict:
+def run_bench(model, prompt_inputs: list[dict], settings: BenchSettings, systems: list[System],
+              fidelity: bool = True) -> dict:
     """Measure every system; `prompt_inputs` are chat inputs ({input_ids, attention_mask}, [1, T] each) for
-    max(settings.prompts, settings.fidelity_prompts) prompts. Returns {"settings", "twins", "systems", "memory"}."""
+    max(settings.prompts, settings.fidelity_prompts) prompts. `fidelity=False` (random weights): speed and memory
+    only, every fidelity field None. Returns {"settings", "twins", "systems", "memory"}."""
     rss_built = peak_rss_bytes()  # the river is built; nothing measured yet
     speed_prompts = prompt_inputs[:settings.prompts]
     timings = measure_speed(model, systems, speed_prompts, settings.rounds)
-    fidelity = measure_all_fidelity(model, systems, prompt_inputs[:settings.fidelity_prompts], settings.fidelity_tokens)
+    fidelities = measure_all_fidelity(model, systems, prompt_inputs[:settings.fidelity_prompts],
+                                      settings.fidelity_tokens) if fidelity else None
     twins = twin_description(model)
     taus = [system.tau for system in systems if system.kind == "river" and system.signal == "cosine"]
+    records = system_records(systems, timings, fidelities, twins, len(speed_prompts))
+    add_byte_limits(records, [system.model or model for system in systems])
     return {"settings": {**asdict(settings), "taus": taus, "batch_size": 1, "warmup_passes": 1},
-            "twins": twins, "systems": system_records(systems, timings, fidelity, twins, len(speed_prompts)),
-            "memory": memory_report(model, rss_built)}
+            "twins": twins, "systems": records, "memory": memory_report(model, rss_built)}
 
 
 def measure_speed(model, systems: list[System], prompts: list[dict], rounds: int) -> dict[str, list[Timing]]:
@@ -115,8 +121,9 @@ def measure_all_fidelity(model, systems: list[System], prompts: list[dict], toke
 
 
 # ---- the record -------------------------------------------------------------------------------------------------
-def system_records(systems: list[System], timings: dict[str, list[Timing]], fidelity: dict[str, Fidelity],
-                   twins: dict, num_prompts: int) -> list[dict]:
+def system_records(systems: list[System], timings: dict[str, list[Timing]],
+                   fidelity: dict[str, Fidelity] | None, twins: dict, num_prompts: int) -> list[dict]:
+    """One record per system; `fidelity` None: not measured (every fidelity field None)."""
     base = median_rate(timings[BACKBONE])
     static = median_rate(timings[STATIC_FULL_QUANT]) if STATIC_FULL_QUANT in timings else None
     records = []
@@ -125,7 +132,8 @@ def system_records(systems: list[System], timings: dict[str, list[Timing]], fide
         summary = speed_summary(runs, base, static)
         summary.update(depth_summary(runs, system.kind, twins))
         records.append({**system.describe(), "summary": summary,
-                        "fidelity": _fidelity_record(fidelity.get(system.name)),
+                        "fidelity": _fidelity_record(fidelity.get(system.name)) if fidelity is not None
+                        else dict(UNMEASURED_FIDELITY),
                         "runs": [run_record(run, idx, num_prompts) for idx, run in enumerate(runs)]})
     return records
 
@@ -160,6 +168,9 @@ def depth_summary(runs: list[Timing], kind: str, twins: dict) -> dict:
             "exit_depth_measured": True}
 
 
+UNMEASURED_FIDELITY = {"match": None, "kl": None, "mean_exit_depth": None, "positions": None, "measured": False}
+
+
 def _fidelity_record(fidelity: Fidelity | None) -> dict:
     if fidelity is None:  # the backbone against itself
         return {"match": 1.0, "kl": 0.0, "mean_exit_depth": None, "positions": None, "measured": False}
@@ -191,14 +202,19 @@ def peak_rss_bytes() -> int:
 
 
 def environment() -> dict:
-    try:
-        river_version = version("river-hf")
-    except PackageNotFoundError:
-        river_version = None
+    """The machine and the libraries: CPU model, torch's CPU capability (AVX2 / AVX512 / AVX512_BF16 / AMX ...),
+    threads, CPU count, versions, load average."""
     return {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "river_hf": river_version,
-            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "transformers": transformers.__version__, "hqq": _version("hqq"), "river_hf": _version("river-hf"),
+            **kernel_choice.cpu_description(),
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def finish_record(record: dict, model_id: str, device: str, prompt_source: str, prompts: list[str],
@@ -211,6 +227,14 @@ def finish_record(record: dict, model_id: str, device: str, prompt_source: str, 
             "prompts": {"source": prompt_source, "texts": prompts[:used], "speed": settings["prompts"],
                         "fidelity": settings["fidelity_prompts"]},
             "environment": {**started, "load_average_after": environment()["load_average"]},
-            **record, "target": full_quant_target(record["systems"]),
-            "versus_random": versus_random(record["systems"], "speed"),
-            "versus_random_at_equal_depth": versus_random(record["systems"], "depth")}
+            # the twin kernels this process measured (backend="fastest"), with every candidate's time
+            "kernel_choices": [asdict(choice) for choice in kernel_choice.measured_choices()],
+            **record, **comparisons(record["systems"])}
+
+
+def comparisons(systems: list[dict]) -> dict:
+    """The full-quant target and the comparisons with random routing (those need fidelity: skipped without)."""
+    measured = any(system["fidelity"]["match"] is not None for system in systems)
+    return {"target": full_quant_target(systems),
+            "versus_random": versus_random(systems, "speed") if measured else {},
+            "versus_random_at_equal_depth": versus_random(systems, "depth") if measured else {}}
