@@ -1,18 +1,35 @@
-"""Tiny randomly initialised models, one per supported architecture, built from configs (no hub access)."""
+"""Shared test fixtures and helpers, defined once for every test module:
+
+- tiny randomly initialised models, one per supported architecture, built from configs (no hub access), their
+  tokenizers and saved checkpoints;
+- `river_of` (build a river), `generate` (greedy generation returning the dict output), `decoded_depths`,
+  `count_twin_calls`, `mixed_tau`, `plain_copy_with_twins`;
+- hand-made hidden states for the router (`states_with_cosines`, `run_step`);
+- `scripted_exits`: a test exit signal registered through the public `river_hf.register_signal` seam.
+"""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+import river_hf
+from river_hf import ExitSignal, RiverConfig, RiverQuantConfig, RiverSettings, register_signal
+from river_hf.router import ExitRouter
+
+# ---------------------------------------------------------------- tiny models
 
 SIZES = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, pad_token_id=0, eos_token_id=1,
              bos_token_id=2)
+NUM_LAYERS = SIZES["num_hidden_layers"]
 
 ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -29,16 +46,20 @@ ARCHITECTURES = {
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """A random model of `arch` (SIZES, then `overrides`), initialised after torch.manual_seed(seed), in eval mode."""
     config_name, model_name, extra = ARCHITECTURES[arch]
     config = getattr(transformers, config_name)(**{**SIZES, **extra, **overrides})
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(config).eval()
 
 
+def river_of(model, start_layer: int = 2, **quant):
+    """`model` with a river from `start_layer` on (`quant`: further RiverQuantConfig fields, e.g. group_size)."""
+    return river_hf.build_river(model, RiverQuantConfig(start_layer=start_layer, **quant), progress=False)
+
+
 def plain_copy_with_twins(river_model):
     """A plain (river-less) copy of a river model whose layers >= start_layer ARE the twins: full quantization."""
-    import river_hf
-
     reference = copy.deepcopy(river_model)
     layers = river_hf.architectures.find_decoder_layers(reference)
     for idx, layer in enumerate(layers):
@@ -47,17 +68,130 @@ def plain_copy_with_twins(river_model):
     return reference
 
 
+# ---------------------------------------------------------------- generating
+
+RIVER_FIELDS = frozenset(f.name for f in dataclasses.fields(RiverSettings))
+
+
+def generate(model, ids, mask=None, *, max_new_tokens: int = 12, output_logits: bool = False, **config):
+    """Greedy (unless `do_sample`) `model.generate` returning the dict output (sequences, cache, logits when
+    `output_logits`). `config`: GenerationConfig fields; any river field (tau, exit_signal, kv_strategy...) makes it a
+    RiverConfig, else a plain GenerationConfig (on a river model: the backbone). `mask` defaults to all ones."""
+    cls = RiverConfig if RIVER_FIELDS & config.keys() else GenerationConfig
+    config = cls(**{"max_new_tokens": max_new_tokens, "do_sample": False, **config}, return_dict_in_generate=True,
+                 output_logits=output_logits)
+    return model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
+                          generation_config=config)
+
+
+def decoded_depths(cache) -> torch.Tensor:
+    """The exit depth of each generated token fed back: [B, recorded positions after the prompt]."""
+    return cache.exit_depth[:, cache.prompt_length:]
+
+
+def count_calls(*modules) -> list[int]:
+    """Install hooks that count the forwards of `modules` (all together); returns the live counter, [count]."""
+    calls = [0]
+    for module in modules:
+        module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def count_twin_calls(model) -> list[int]:
+    """`count_calls` on every twin of a river model."""
+    return count_calls(*(layer.twin for layer in river_hf.river_layers(model) if layer.twin is not None))
+
+
 def mixed_tau(model, ids, start_layer: int = 2) -> float:
     """A threshold inside the model's own similarity range (median over the eligible layers), so that steps exit
     at different depths."""
-    import torch.nn.functional as F
-
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
     num_layers = len(states) - 1
     sims = [F.cosine_similarity(states[l].float(), states[l + 1].float(), dim=-1).mean()
             for l in range(start_layer - 1, num_layers - 1)]
     return torch.stack(sims).median().item()
+
+
+def step_confidences(logits) -> torch.Tensor:
+    """The batch-min top-1 probability of each generated step (logits: generate's per-step tuple) -> [steps]."""
+    return torch.stack([torch.softmax(step.float(), -1).amax(-1).min() for step in logits])
+
+
+def confidence_tau(model, ids, max_new_tokens: int = 16) -> float:
+    """A tau between the backbone's per-step confidences (their median), so that some steps exit and some do not."""
+    return step_confidences(generate(model, ids, max_new_tokens=max_new_tokens, output_logits=True).logits
+                            ).median().item()
+
+
+# ---------------------------------------------------------------- the router on hand-made states
+
+
+def states_with_cosines(cosines: list[float], dim: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """h_in, h_out of shape [B, 1, D] whose row-wise cosine is exactly the given value."""
+    h_in = torch.zeros(len(cosines), 1, dim)
+    h_in[:, 0, 0] = 1.0
+    h_out = torch.zeros_like(h_in)
+    for row, cos in enumerate(cosines):
+        h_out[row, 0, 0] = cos
+        h_out[row, 0, 1] = (1 - cos**2) ** 0.5
+    return h_in, h_out
+
+
+def run_step(router: ExitRouter, cosines_per_layer: list[list[float]], num_new_tokens=1, first=False) -> int:
+    """One step through `router`: layer i reports states whose per-row cosines are cosines_per_layer[i]; returns
+    the step's exit depth."""
+    router.begin_step(num_new_tokens, is_first_step=first)
+    for layer_idx, cosines in enumerate(cosines_per_layer):
+        if router.exited:
+            break
+        router.observe(layer_idx, *states_with_cosines(cosines))
+    return router.depth
+
+
+# ---------------------------------------------------------------- scripted exits (a registered test signal)
+
+
+class ScriptedExit(ExitSignal):
+    """A test signal: decode step i exits after `plan[i]` backbone layers, whatever the hidden states; prefill steps
+    never exit. The router's rules still apply: a depth below its minimum exits at the minimum, the last depth or
+    more never exits. Each router (each generate call) starts the plan from the beginning."""
+
+    name = "scripted"
+    plan: tuple[int, ...] = ()  # set on the subclass `scripted_exits` registers
+
+    def __init__(self):
+        self.steps = iter(self.plan)
+        self.target: int | None = None  # this step's exit depth; None: stays on the backbone
+
+    @classmethod
+    def from_settings(cls, settings, num_layers: int) -> ScriptedExit:
+        return cls()
+
+    def begin_step(self, is_prefill: bool, min_depth: int) -> None:
+        self.target = None if is_prefill else next(self.steps)
+
+    def decide(self, depth, h_in, h_out, mask) -> bool:
+        return self.target is not None and depth >= self.target
+
+
+@pytest.fixture
+def scripted_exits():
+    """`script(plan) -> name`: registers a ScriptedExit following `plan` (one exit depth per decode step) as
+    `exit_signal=name`; unregistered after the test."""
+    names = []
+
+    def script(plan, name: str = ScriptedExit.name) -> str:
+        register_signal(type("Scripted", (ScriptedExit,), {"name": name, "plan": tuple(plan)}))
+        names.append(name)
+        return name
+
+    yield script
+    for name in names:
+        river_hf.signals.SIGNALS.pop(name, None)
+
+
+# ---------------------------------------------------------------- inputs
 
 
 @pytest.fixture
@@ -77,11 +211,11 @@ def left_padded_batch():
     return ids, mask
 
 
-def tiny_tokenizer():
-    """A word-level tokenizer over the tiny models' 256 ids ("w3 w17 ..."), built locally (no hub)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+# ---------------------------------------------------------------- tokenizers and saved checkpoints
 
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny models' 256 ids ("w3 w17 ..."), built locally (no hub)."""
     vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, **{f"w{i}": i for i in range(3, SIZES["vocab_size"])}}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -120,12 +254,14 @@ def make_tiny_tokenizer(chat_template: str | None = CHAT_TEMPLATE) -> PreTrained
 
 
 def save_tiny_model(path, chat_template: str | None = CHAT_TEMPLATE, num_layers: int = 4) -> str:
-    """A random Llama (hidden 64, GQA 4/2 heads) and its tokenizer in `path`; returns the folder."""
+    """A random Llama (hidden 64, GQA 4/2 heads) and its chat tokenizer (`make_tiny_tokenizer`) in `path`; returns
+    the folder."""
     tokenizer = make_tiny_tokenizer(chat_template)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
+    # LlamaConfig's own defaults for what SIZES sets (head_dim 16 = 64 / 4 heads, 2048 positions) and no pad/eos
+    model = tiny_model("llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id, eos_token_id=None,
+                       pad_token_id=None)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

@@ -10,16 +10,7 @@ from river_hf.router import ExitRouter
 from river_hf.signals import batch_passes, sequence_similarity, token_similarity
 from river_hf.signals import Cosine, CosineAtOneLayer, RandomExit, UpdateNorm
 
-
-def states_with_cosines(cosines: list[float], dim: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """h_in, h_out of shape [B, 1, D] whose row-wise cosine is exactly the given value."""
-    h_in = torch.zeros(len(cosines), 1, dim)
-    h_in[:, 0, 0] = 1.0
-    h_out = torch.zeros_like(h_in)
-    for row, cos in enumerate(cosines):
-        h_out[row, 0, 0] = cos
-        h_out[row, 0, 1] = (1 - cos**2) ** 0.5
-    return h_in, h_out
+from conftest import run_step, states_with_cosines
 
 
 def test_token_similarity_is_the_cosine_of_the_last_position():
@@ -40,15 +31,6 @@ def test_batch_min_needs_every_row():
     assert not batch_passes(torch.tensor([0.95, 0.85]), 0.9)
     with pytest.raises(ValueError, match="`exit_policy`"):
         batch_passes(torch.tensor([1.0]), 0.9, policy="any")
-
-
-def run_step(router: ExitRouter, cosines_per_layer: list[list[float]], num_new_tokens=1, first=False) -> int:
-    router.begin_step(num_new_tokens, is_first_step=first)
-    for layer_idx, cosines in enumerate(cosines_per_layer):
-        if router.exited:
-            break
-        router.observe(layer_idx, *states_with_cosines(cosines))
-    return router.depth
 
 
 def test_decode_exits_after_the_first_layer_whose_batch_min_passes():

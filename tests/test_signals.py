@@ -7,10 +7,8 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
 import river_hf
-from river_hf import RiverConfig, RiverQuantConfig
 from river_hf import RiverSettings
 from river_hf.router import ExitRouter
 from river_hf.signals import (
@@ -25,8 +23,18 @@ from river_hf.signals import (
     token_update_norm,
 )
 
-from conftest import mixed_tau, tiny_model
-from test_router import run_step, states_with_cosines
+from conftest import (
+    confidence_tau,
+    count_twin_calls,
+    decoded_depths,
+    generate,
+    mixed_tau,
+    river_of,
+    run_step,
+    states_with_cosines,
+    step_confidences,
+    tiny_model,
+)
 
 PASS, FAIL = states_with_cosines([0.99]), states_with_cosines([0.5])  # against tau = 0.9
 
@@ -210,22 +218,11 @@ def test_make_signal_builds_each_named_signal():
 
 
 # ---- end to end ------------------------------------------------------------------------------------------------
-START = 2
-
-
-def river_model():
-    return river_hf.build_river(tiny_model(), RiverQuantConfig(start_layer=START), progress=False)
-
-
-def generate(model, ids, **config):
-    config = {"max_new_tokens": 12, "do_sample": False, **config}
-    cls = RiverConfig if "tau" in config or "exit_signal" in config else GenerationConfig
-    return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cls(**config),
-                          return_dict_in_generate=True)
+START = 2  # river_of's default start layer
 
 
 def test_random_signal_end_to_end(prompt_ids):
-    model = river_model()
+    model = river_of(tiny_model(), start_layer=START)
     config = dict(exit_signal="random", exit_rate=0.5, seed=0, max_new_tokens=40)
     out = generate(model, prompt_ids, **config)
     cache = out.cache
@@ -252,23 +249,19 @@ def test_random_signal_end_to_end(prompt_ids):
 def test_every_signal_that_never_exits_is_the_backbone(signal, prompt_ids):
     model = tiny_model()
     expected = generate(model, prompt_ids).sequences
-    river_hf.build_river(model, RiverQuantConfig(start_layer=START), progress=False)
-    calls = [0]
-    for layer in river_hf.river_layers(model):
-        if layer.twin is not None:
-            layer.twin.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    calls = count_twin_calls(river_of(model, start_layer=START))
     out = generate(model, prompt_ids, **signal)
     assert torch.equal(out.sequences, expected)
     assert calls[0] == 0 and (out.cache.exit_depth == 6).all()
 
 
 def test_cosine_first_and_update_norm_end_to_end(prompt_ids):
-    model = river_model()
+    model = river_of(tiny_model(), start_layer=START)
     tau = mixed_tau(model, prompt_ids, start_layer=START)
     for signal_layer, allowed in ((None, {START, 6}), (4, {4, 6})):
         out = generate(model, prompt_ids, tau=tau, exit_signal="cosine_first", signal_layer=signal_layer,
                        max_new_tokens=24)
-        assert set(out.cache.exit_depth[:, out.cache.prompt_length:].unique().tolist()) <= allowed
+        assert set(decoded_depths(out.cache).unique().tolist()) <= allowed
         out.cache.check_kv_integrity()
     out = generate(model, prompt_ids, tau=0.0, exit_signal="update_norm", max_new_tokens=24)
     assert out.cache.exit_depth.min() >= START
@@ -291,20 +284,18 @@ def test_confidence_decides_once_at_the_first_eligible_depth_from_the_last_pass(
 
 def test_confidence_end_to_end_exits_exactly_after_confident_steps(prompt_ids):
     """Step t exits (at the first eligible depth) iff every row's top-1 probability at step t-1 exceeded tau."""
-    model = river_model()
-    probe = generate(model, prompt_ids, max_new_tokens=16, output_logits=True)  # the backbone's confidences
-    confidences = torch.stack([torch.softmax(step.float(), -1).amax(-1).min() for step in probe.logits])
-    tau = confidences.median().item()
+    model = river_of(tiny_model(), start_layer=START)
+    tau = confidence_tau(model, prompt_ids, max_new_tokens=16)  # the median of the backbone's confidences
     out = generate(model, prompt_ids, tau=tau, exit_signal="confidence", max_new_tokens=16, output_logits=True)
-    seen = torch.stack([torch.softmax(step.float(), -1).amax(-1).min() for step in out.logits])
-    depths = out.cache.exit_depth[0, out.cache.prompt_length:]
+    seen = step_confidences(out.logits)
+    depths = decoded_depths(out.cache)[0]
     assert depths.tolist() == [START if conf > tau else 6 for conf in seen[:-1].tolist()]
     assert {START, 6} <= set(depths.tolist())
     assert (out.cache.exit_depth[:, :out.cache.prompt_length] == 6).all()
 
 
 def test_remove_river_removes_the_pass_hooks(prompt_ids):
-    model = river_model()
+    model = river_of(tiny_model(), start_layer=START)
     assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
     river_hf.remove_river(model)
     assert len(model._forward_pre_hooks) == 0 and len(model._forward_hooks) == 0
