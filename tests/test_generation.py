@@ -2,49 +2,35 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from transformers import GenerationConfig, TextStreamer
+from transformers import TextStreamer
 
 import river_hf
-from river_hf import RiverConfig, RiverQuantConfig
-from river_hf.router import ExitRouter
+from river_hf import RiverConfig
 
-from conftest import ARCHITECTURES, mixed_tau, plain_copy_with_twins, tiny_model
+from conftest import (
+    ARCHITECTURES,
+    count_twin_calls,
+    decoded_depths,
+    generate,
+    mixed_tau,
+    plain_copy_with_twins,
+    river_of,
+    tiny_model,
+)
 
-NEW_TOKENS = 12
-START = 2
-
-
-def river_of(model, start_layer=START, **quant):
-    return river_hf.build_river(model, RiverQuantConfig(start_layer=start_layer, **quant), progress=False)
-
-
-def count_twin_calls(model) -> list[int]:
-    """Install hooks that count twin forwards; returns the (live) counter."""
-    calls = [0]
-    for layer in river_hf.river_layers(model):
-        if layer.twin is not None:
-            layer.twin.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    return calls
-
-
-def greedy(model, ids, mask=None, **config):
-    config = {"max_new_tokens": NEW_TOKENS, "do_sample": False, **config}
-    cls = RiverConfig if "tau" in config else GenerationConfig
-    return model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
-                          generation_config=cls(**config), return_dict_in_generate=True)
+NEW_TOKENS = 12  # generate's default
+START = 2  # river_of's default
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_tau_above_one_equals_backbone_and_runs_no_twin(arch, prompt_ids):
     model = tiny_model(arch)
-    expected = greedy(model, prompt_ids).sequences
+    expected = generate(model, prompt_ids).sequences
     river_of(model)
     calls = count_twin_calls(model)
-    out = greedy(model, prompt_ids, tau=1.5)
+    out = generate(model, prompt_ids, tau=1.5)
     assert torch.equal(out.sequences, expected)
     assert calls[0] == 0
     assert (out.cache.exit_depth == 6).all()
@@ -55,18 +41,18 @@ def test_tau_above_one_equals_backbone_and_runs_no_twin(arch, prompt_ids):
 def test_tau_minus_one_exits_at_start_layer_and_equals_full_quantization(arch, prompt_ids):
     model = river_of(tiny_model(arch))
     full_quant = plain_copy_with_twins(model)
-    out = greedy(model, prompt_ids, tau=-1)
+    out = generate(model, prompt_ids, tau=-1)
     assert (out.cache.exit_depth == START).all()
-    assert torch.equal(out.sequences, greedy(full_quant, prompt_ids).sequences)
+    assert torch.equal(out.sequences, generate(full_quant, prompt_ids).sequences)
     out.cache.check_kv_integrity()
 
 
 def test_plain_generate_on_a_river_model_is_the_backbone(prompt_ids):
     model = tiny_model()
-    expected = greedy(model, prompt_ids).sequences
+    expected = generate(model, prompt_ids).sequences
     river_of(model)
     calls = count_twin_calls(model)
-    assert torch.equal(greedy(model, prompt_ids).sequences, expected)
+    assert torch.equal(generate(model, prompt_ids).sequences, expected)
     assert torch.equal(model.generate(prompt_ids, max_new_tokens=NEW_TOKENS, do_sample=False), expected)
     assert calls[0] == 0
 
@@ -76,9 +62,8 @@ def test_mixed_exits_keep_every_layer_complete(arch, prompt_ids):
     model = tiny_model(arch)
     tau = mixed_tau(model, prompt_ids)
     river_of(model)
-    out = greedy(model, prompt_ids, tau=tau, max_new_tokens=24)
-    decoded = out.cache.exit_depth[:, out.cache.prompt_length:]
-    assert decoded.unique().numel() > 1, "threshold should give a mix of exit depths"
+    out = generate(model, prompt_ids, tau=tau, max_new_tokens=24)
+    assert decoded_depths(out.cache).unique().numel() > 1, "threshold should give a mix of exit depths"
     assert out.cache.exit_depth.shape == (2, prompt_ids.shape[1] + 24 - 1)
     out.cache.check_kv_integrity()
 
@@ -86,10 +71,10 @@ def test_mixed_exits_keep_every_layer_complete(arch, prompt_ids):
 def test_left_padded_batch(left_padded_batch):
     ids, mask = left_padded_batch
     model = tiny_model()
-    expected = greedy(model, ids, mask).sequences
+    expected = generate(model, ids, mask).sequences
     river_of(model)
-    assert torch.equal(greedy(model, ids, mask, tau=2.0).sequences, expected)
-    out = greedy(model, ids, mask, tau=mixed_tau(model, ids))
+    assert torch.equal(generate(model, ids, mask, tau=2.0).sequences, expected)
+    out = generate(model, ids, mask, tau=mixed_tau(model, ids))
     out.cache.check_kv_integrity()
     assert out.cache.exit_depth.shape == (2, ids.shape[1] + NEW_TOKENS - 1)
 
@@ -97,20 +82,20 @@ def test_left_padded_batch(left_padded_batch):
 def test_sampling(prompt_ids):
     model = tiny_model()
     torch.manual_seed(7)
-    expected = greedy(model, prompt_ids, do_sample=True, top_k=20).sequences
+    expected = generate(model, prompt_ids, do_sample=True, top_k=20).sequences
     river_of(model)
     torch.manual_seed(7)
-    assert torch.equal(greedy(model, prompt_ids, tau=1.1, do_sample=True, top_k=20).sequences, expected)
-    out = greedy(model, prompt_ids, tau=mixed_tau(model, prompt_ids), do_sample=True)
+    assert torch.equal(generate(model, prompt_ids, tau=1.1, do_sample=True, top_k=20).sequences, expected)
+    out = generate(model, prompt_ids, tau=mixed_tau(model, prompt_ids), do_sample=True)
     out.cache.check_kv_integrity()
 
 
 def test_beam_search(prompt_ids):
     model = tiny_model()
-    expected = greedy(model, prompt_ids, num_beams=3).sequences
+    expected = generate(model, prompt_ids, num_beams=3).sequences
     river_of(model)
-    assert torch.equal(greedy(model, prompt_ids, tau=1.1, num_beams=3).sequences, expected)
-    out = greedy(model, prompt_ids, tau=mixed_tau(model, prompt_ids), num_beams=3)
+    assert torch.equal(generate(model, prompt_ids, tau=1.1, num_beams=3).sequences, expected)
+    out = generate(model, prompt_ids, tau=mixed_tau(model, prompt_ids), num_beams=3)
     assert out.cache.exit_depth.shape[0] == prompt_ids.shape[0] * 3
     out.cache.check_kv_integrity()
 
@@ -137,7 +122,7 @@ def test_batch_exits_only_when_every_row_passes(prompt_ids):
     model = river_of(tiny_model())
 
     def first_decode_depth(ids, tau):
-        out = greedy(model, ids, tau=tau, prefill_exit="none", max_new_tokens=2)
+        out = generate(model, ids, tau=tau, prefill_exit="none", max_new_tokens=2)
         return out.cache.exit_depth[0, -1].item()
 
     differing = 0
@@ -151,9 +136,9 @@ def test_batch_exits_only_when_every_row_passes(prompt_ids):
 def test_prefill_exit_options(prompt_ids):
     model = river_of(tiny_model())
     prompt_len = prompt_ids.shape[1]
-    none = greedy(model, prompt_ids, tau=-1, prefill_exit="none").cache.exit_depth
+    none = generate(model, prompt_ids, tau=-1, prefill_exit="none").cache.exit_depth
     assert (none[:, :prompt_len] == 6).all() and (none[:, prompt_len:] == START).all()
-    fixed = greedy(model, prompt_ids, tau=1.5, prefill_exit=4).cache.exit_depth
+    fixed = generate(model, prompt_ids, tau=1.5, prefill_exit=4).cache.exit_depth
     assert (fixed[:, :prompt_len] == 4).all() and (fixed[:, prompt_len:] == 6).all()
 
 
@@ -163,20 +148,18 @@ def test_river_settings_as_generate_kwargs(prompt_ids):
     assert (out.cache.exit_depth == START).all()
 
 
-def test_random_exit_patterns_keep_kv_complete(prompt_ids, monkeypatch):
-    """KV integrity for any exit pattern: every step exits at a random eligible depth."""
-    rng = random.Random(0)
-    monkeypatch.setattr(ExitRouter, "_should_exit", lambda self, depth, h_in, h_out: rng.random() < 0.35)
+def test_random_exit_patterns_keep_kv_complete(prompt_ids):
+    """KV integrity for any exit pattern: steps exit at random eligible depths (the seeded "random" signal)."""
     for arch in ("llama", "gemma3"):
         model = river_of(tiny_model(arch), start_layer=1)
-        out = greedy(model, prompt_ids, tau=0.5, max_new_tokens=30)
-        assert out.cache.exit_depth[:, out.cache.prompt_length:].unique().numel() >= 4
+        out = generate(model, prompt_ids, exit_signal="random", exit_rate=0.8, seed=0, max_new_tokens=30)
+        assert decoded_depths(out.cache).unique().numel() >= 4
         out.cache.check_kv_integrity()
 
 
 def test_kv_integrity_check_detects_a_hole(prompt_ids):
     model = river_of(tiny_model())
-    cache = greedy(model, prompt_ids, tau=0.8).cache
+    cache = generate(model, prompt_ids, tau=0.8).cache
     cache.layers[3].keys = cache.layers[3].keys[:, :, :-1]
     cache.layers[3].values = cache.layers[3].values[:, :, :-1]
     with pytest.raises(river_hf.KVIntegrityError, match="layer 3"):
@@ -198,10 +181,10 @@ def test_a_non_river_cache_is_refused(prompt_ids):
 
 def test_eos_stops_generation_and_the_record_matches(prompt_ids):
     model = river_of(tiny_model())
-    free = greedy(model, prompt_ids[:1], tau=-1).sequences[0, prompt_ids.shape[1]:]
+    free = generate(model, prompt_ids[:1], tau=-1).sequences[0, prompt_ids.shape[1]:]
     eos = free[3].item()  # make the 4th generated token the end of sequence
     stop_at = free.tolist().index(eos)
-    out = greedy(model, prompt_ids[:1], tau=-1, eos_token_id=eos)
+    out = generate(model, prompt_ids[:1], tau=-1, eos_token_id=eos)
     assert out.sequences.shape[1] == prompt_ids.shape[1] + stop_at + 1
     assert out.sequences[0, -1].item() == eos
     assert out.cache.exit_depth.shape[1] == out.sequences.shape[1] - 1  # the last token was never fed back

@@ -2,69 +2,26 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache
 
 import river_hf
-from river_hf import RiverConfig, RiverQuantConfig
+from river_hf import RiverConfig
 from river_hf import strategies as strategies_module
 from river_hf.generation import new_river_cache
-from river_hf.router import ExitRouter
 from river_hf.strategies import strategy_names
 
-from conftest import ARCHITECTURES, tiny_model
+from conftest import ARCHITECTURES, NUM_LAYERS as LAYERS, decoded_depths, generate, river_of, tiny_model
 
-LAYERS = 6
 FULL_ATTENTION_ONLY = ("recompute", "mask")
-
-
-def river_of(model, start_layer=1):
-    return river_hf.build_river(model, RiverQuantConfig(start_layer=start_layer, group_size=32), progress=False)
-
-
-def generate(model, ids, mask=None, max_new_tokens=16, **river):
-    config = RiverConfig(max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True, **river)
-    return model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
-                          generation_config=config)
-
-
-@pytest.fixture
-def random_exits(monkeypatch):
-    """Every decode step exits at a random eligible depth (any exit pattern, independent of the signal)."""
-    rng = random.Random(0)
-    monkeypatch.setattr(ExitRouter, "_should_exit", lambda self, depth, h_in, h_out: exits(self, rng))
-
-
-def exits(router, rng) -> bool:
-    """Decode steps exit at random; prompts follow the strategy's rule (the baselines prefill on the backbone)."""
-    if router.is_prefill and router.settings.prefill_exit == "none":
-        return False
-    return rng.random() < 0.4
-
+QUANT = dict(start_layer=1, group_size=32)
+# Any exit pattern, whatever the hidden states: decode steps exit at random eligible depths (the seeded "random"
+# signal); the baselines' prompts stay on the backbone (their rule), the river's may exit too.
+RANDOM_EXITS = dict(exit_signal="random", exit_rate=0.6, seed=0)
 
 # one exit depth per decode step (6 = no exit); ends shallow, so tokens still wait for recompute at the end
 SCRIPT = [2, 4, 1, 6, 3, 1, 5, 2, 2, 6, 1, 3, 4, 1, 2, 5, 3, 1, 2]
-
-
-@pytest.fixture
-def scripted_exits(monkeypatch):
-    """Decode step i exits at depth SCRIPT[i] (clamped to the router's minimum); prompts never exit."""
-    begin_step = ExitRouter.begin_step
-
-    def scripted_begin_step(self, num_new_tokens, is_first_step):
-        begin_step(self, num_new_tokens, is_first_step)
-        self.script = getattr(self, "script", iter(SCRIPT))
-        self.target = LAYERS if self.is_prefill else next(self.script)
-
-    monkeypatch.setattr(ExitRouter, "begin_step", scripted_begin_step)
-    monkeypatch.setattr(ExitRouter, "_should_exit", lambda self, depth, h_in, h_out: depth >= self.target)
-
-
-def decoded_depths(cache) -> torch.Tensor:
-    return cache.exit_depth[:, cache.prompt_length:]
 
 
 # ---------------------------------------------------------------- shared behaviour
@@ -74,13 +31,13 @@ def decoded_depths(cache) -> torch.Tensor:
 @pytest.mark.parametrize("strategy", strategy_names())
 def test_every_strategy_at_tau_above_one_equals_the_plain_model(arch, strategy, prompt_ids):
     model = tiny_model(arch)
-    expected = model.generate(prompt_ids, generation_config=GenerationConfig(max_new_tokens=16, do_sample=False))
-    river_of(model)
+    expected = generate(model, prompt_ids, max_new_tokens=16).sequences
+    river_of(model, **QUANT)
     if arch == "gemma3" and strategy in FULL_ATTENTION_ONLY:
         with pytest.raises(ValueError, match="sliding-window"):
-            generate(model, prompt_ids, tau=1.5, kv_strategy=strategy)
+            generate(model, prompt_ids, tau=1.5, kv_strategy=strategy, max_new_tokens=16)
         return
-    out = generate(model, prompt_ids, tau=1.5, kv_strategy=strategy)
+    out = generate(model, prompt_ids, tau=1.5, kv_strategy=strategy, max_new_tokens=16)
     assert torch.equal(out.sequences, expected)
     assert (out.cache.exit_depth == LAYERS).all()
     out.cache.check_kv_integrity()
@@ -93,14 +50,14 @@ def test_bad_strategy_name_lists_the_valid_ones():
 
 @pytest.mark.parametrize("strategy", ["recompute", "state_propagation", "mask", "mono_decreasing"])
 def test_baselines_run_the_prompt_on_the_full_backbone(strategy, prompt_ids):
-    model = river_of(tiny_model())
+    model = river_of(tiny_model(), **QUANT)
     out = generate(model, prompt_ids, tau=-1, kv_strategy=strategy)
     assert (out.cache.exit_depth[:, :out.cache.prompt_length] == LAYERS).all()
     assert (decoded_depths(out.cache) < LAYERS).all()
 
 
 def test_profile_splits_backbone_and_skipped_time(prompt_ids):
-    model = river_of(tiny_model())
+    model = river_of(tiny_model(), **QUANT)
     cache = new_river_cache(model, RiverConfig(tau=-1).river_settings())
     cache.profile = True
     model.generate(prompt_ids, max_new_tokens=8, do_sample=False, cache=cache)
@@ -108,7 +65,7 @@ def test_profile_splits_backbone_and_skipped_time(prompt_ids):
 
 
 def test_min_exit_layer_too_deep_is_a_clear_error(prompt_ids):
-    model = river_of(tiny_model())
+    model = river_of(tiny_model(), **QUANT)
     with pytest.raises(ValueError, match="`min_exit_layer`=6"):
         generate(model, prompt_ids, tau=-1, min_exit_layer=6)
 
@@ -130,8 +87,9 @@ def test_recompute_fills_every_hole_with_the_backbones_exact_kv(padded, prompt_i
     """Recompute only delays K/V: once the waiting tokens are flushed, the cache equals the backbone's own cache of
     the same tokens (the exited tokens' hidden states at their exit layer are exact, and so is every layer after)."""
     ids, mask = left_padded_batch if padded else (prompt_ids, torch.ones_like(prompt_ids))
-    model = river_of(tiny_model())
-    out = generate(model, ids, mask, max_new_tokens=len(SCRIPT) + 1, kv_strategy="recompute", tau=0.5)
+    model = river_of(tiny_model(), **QUANT)
+    out = generate(model, ids, mask, max_new_tokens=len(SCRIPT) + 1, kv_strategy="recompute",
+                   exit_signal=scripted_exits(SCRIPT))  # decode step i exits at SCRIPT[i]; the prompt does not
     cache = out.cache
     assert decoded_depths(cache)[0].tolist() == SCRIPT
     holes = [cache.recorded_length - layer.get_seq_length() for layer in cache.layers]
@@ -149,24 +107,24 @@ def test_recompute_fills_every_hole_with_the_backbones_exact_kv(padded, prompt_i
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"{name} of layer {idx}")
 
 
-def test_recompute_refuses_beam_search_once_tokens_wait(prompt_ids, random_exits):
-    model = river_of(tiny_model())
+def test_recompute_refuses_beam_search_once_tokens_wait(prompt_ids):
+    model = river_of(tiny_model(), **QUANT)
     with pytest.raises(NotImplementedError, match="recompute.*beam"):
-        generate(model, prompt_ids, kv_strategy="recompute", tau=0.5, num_beams=2, max_new_tokens=12)
+        generate(model, prompt_ids, kv_strategy="recompute", **RANDOM_EXITS, num_beams=2, max_new_tokens=12)
 
 
 # ---------------------------------------------------------------- state propagation
 
 
-def test_state_propagation_writes_kv_of_the_exit_state_and_skips_attention_and_mlp(prompt_ids, random_exits):
-    model = river_of(tiny_model())
+def test_state_propagation_writes_kv_of_the_exit_state_and_skips_attention_and_mlp(prompt_ids):
+    model = river_of(tiny_model(), **QUANT)
     layers = river_hf.river_layers(model)
     exit_states, mlp_calls = [], [0] * LAYERS
     # the last layer's input is the state the token exited with (skipped layers pass it on unchanged)
     layers[-1].register_forward_pre_hook(lambda module, args, kwargs: exit_states.append(args[0]), with_kwargs=True)
     for idx, layer in enumerate(layers):
         layer.base_layer.mlp.register_forward_hook(lambda *_, idx=idx: mlp_calls.__setitem__(idx, mlp_calls[idx] + 1))
-    out = generate(model, prompt_ids, kv_strategy="state_propagation", tau=0.5, max_new_tokens=20)
+    out = generate(model, prompt_ids, kv_strategy="state_propagation", **RANDOM_EXITS, max_new_tokens=20)
     cache = out.cache
     cache.check_kv_integrity()
     steps = cache.exit_depth[0, cache.prompt_length - 1:]  # one depth per forward: the prompt's, then each token's
@@ -186,17 +144,15 @@ def test_state_propagation_writes_kv_of_the_exit_state_and_skips_attention_and_m
 # ---------------------------------------------------------------- mask
 
 
-def test_mask_never_attends_to_skipped_positions(prompt_ids, monkeypatch, random_exits):
-    """Whatever the placeholders of skipped positions hold, the output is the same: they are never attended."""
-    model = river_of(tiny_model())
+def test_mask_never_attends_to_skipped_positions(prompt_ids, monkeypatch):
+    """Whatever the placeholders of skipped positions hold, the output is the same: they are never attended (both
+    runs exit at the same seeded random depths)."""
+    model = river_of(tiny_model(), **QUANT)
     results = []
     for placeholder in (torch.zeros, lambda shape, **kw: torch.full(shape, 1e4, **kw)):
         monkeypatch.setattr(strategies_module, "placeholder_kv",
                             lambda shape, like, make=placeholder: make(shape, dtype=like.dtype, device=like.device))
-        random.seed(0)
-        rng = random.Random(0)
-        monkeypatch.setattr(ExitRouter, "_should_exit", lambda self, depth, h_in, h_out, rng=rng: exits(self, rng))
-        out = generate(model, prompt_ids, kv_strategy="mask", tau=0.5, max_new_tokens=20, output_logits=True)
+        out = generate(model, prompt_ids, kv_strategy="mask", **RANDOM_EXITS, max_new_tokens=20, output_logits=True)
         out.cache.check_kv_integrity()
         results.append(out)
     depths = decoded_depths(results[0].cache)
@@ -207,7 +163,7 @@ def test_mask_never_attends_to_skipped_positions(prompt_ids, monkeypatch, random
 
 
 def test_mask_enforces_a_minimum_exit_layer(prompt_ids):
-    model = river_of(tiny_model())
+    model = river_of(tiny_model(), **QUANT)
     out = generate(model, prompt_ids, kv_strategy="mask", tau=-1)
     assert (decoded_depths(out.cache) == LAYERS // 2).all()
     out = generate(model, prompt_ids, kv_strategy="mask", tau=-1, min_exit_layer=2)
@@ -218,9 +174,9 @@ def test_mask_enforces_a_minimum_exit_layer(prompt_ids):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_mono_decreasing_depths_never_increase_and_deeper_kv_is_a_prefix(arch, prompt_ids, random_exits):
-    model = river_of(tiny_model(arch))
-    out = generate(model, prompt_ids, kv_strategy="mono_decreasing", tau=0.5, max_new_tokens=24)
+def test_mono_decreasing_depths_never_increase_and_deeper_kv_is_a_prefix(arch, prompt_ids):
+    model = river_of(tiny_model(arch), **QUANT)
+    out = generate(model, prompt_ids, kv_strategy="mono_decreasing", **RANDOM_EXITS, max_new_tokens=24)
     cache = out.cache
     depths = cache.exit_depth[0]
     assert (depths[1:] <= depths[:-1]).all() and depths[-1] < LAYERS
@@ -234,8 +190,8 @@ def test_mono_decreasing_depths_never_increase_and_deeper_kv_is_a_prefix(arch, p
 @pytest.mark.parametrize("strategy", strategy_names())
 def test_every_strategy_keeps_its_kv_invariant_on_every_architecture(arch, strategy, prompt_ids):
     """Random exits (seeded): the cache holds what the strategy promises, and after a flush every position."""
-    model = river_of(tiny_model(arch))
-    config = dict(tau=0.5, exit_signal="random", exit_rate=0.6, seed=0, kv_strategy=strategy, max_new_tokens=12)
+    model = river_of(tiny_model(arch), **QUANT)
+    config = dict(**RANDOM_EXITS, kv_strategy=strategy, max_new_tokens=12)
     if arch == "gemma3" and strategy in FULL_ATTENTION_ONLY:
         with pytest.raises(ValueError, match="needs full attention in every layer"):
             generate(model, prompt_ids, **config)
