@@ -7,24 +7,17 @@ import warnings
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM
 
 import river_hf
-from river_hf import RiverConfig, RiverQuantConfig
+from river_hf import RiverQuantConfig
 from river_hf.lm_head import RiverLMHead, original_lm_head
 from river_hf.quantize import RiverQuantLinear
 
-from conftest import plain_copy_with_twins, tiny_model
+from conftest import count_calls, generate, plain_copy_with_twins, river_of, tiny_model
 
-NEW_TOKENS = 8
 IDS = torch.tensor([[5, 9, 33, 70, 12], [7, 101, 44, 3, 250]])
-
-
-def greedy(model, ids=IDS, **config):
-    config = {"max_new_tokens": NEW_TOKENS, "do_sample": False, **config}
-    cls = RiverConfig if "tau" in config else GenerationConfig
-    return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cls(**config),
-                          return_dict_in_generate=True, output_logits=True)
+RUN = dict(max_new_tokens=8, output_logits=True)  # what every generate here runs: 8 tokens, with their logits
 
 
 def twin_kernels(model) -> dict[int, set[tuple]]:
@@ -62,9 +55,9 @@ def test_schedule_runs_and_tau_minus_one_equals_the_scheduled_full_quantization(
                                                                                 start_layer=2), progress=False)
     assert {idx: {bits for bits, *_ in kernels} for idx, kernels in twin_kernels(model).items()} == {
         2: {8}, 3: {8}, 4: {4}, 5: {4}}
-    out = greedy(model, tau=-1)
+    out = generate(model, IDS, **RUN, tau=-1)
     assert (out.cache.exit_depth == 2).all()
-    assert torch.equal(out.sequences, greedy(plain_copy_with_twins(model)).sequences)
+    assert torch.equal(out.sequences, generate(plain_copy_with_twins(model), IDS, **RUN).sequences)
     out.cache.check_kv_integrity()
 
 
@@ -125,14 +118,13 @@ def test_schedule_survives_save_and_from_pretrained(saved_tiny_model, tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_quantized_head_is_unused_unless_a_step_exits(arch):
     model = tiny_model(arch, tie_word_embeddings=True)
-    expected = greedy(model)
-    river_hf.build_river(model, RiverQuantConfig(start_layer=2, quantize_lm_head=True), progress=False)
-    calls = [0]
-    model.lm_head.quantized_head.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    out = greedy(model, tau=1.5)
+    expected = generate(model, IDS, **RUN)
+    river_of(model, quantize_lm_head=True)
+    calls = count_calls(model.lm_head.quantized_head)
+    out = generate(model, IDS, **RUN, tau=1.5)
     assert torch.equal(out.sequences, expected.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, expected.logits))
-    assert torch.equal(greedy(model).sequences, expected.sequences)  # plain generate on the river model
+    assert torch.equal(generate(model, IDS, **RUN).sequences, expected.sequences)  # plain generate, river model
     assert torch.equal(model(IDS).logits, tiny_model(arch, tie_word_embeddings=True)(IDS).logits)  # plain forward
     assert calls[0] == 0
 
@@ -147,11 +139,11 @@ def test_exited_steps_use_the_quantized_head(arch, head_bits, backend):
     assert isinstance(head, RiverLMHead)
     assert (head.quantized_head.nbits, head.quantized_head.backend) == (head_bits, backend)
     assert head.quantized_head.group_size == (None if head_bits == 8 else 64)
-    out = greedy(model, tau=-1)
+    out = generate(model, IDS, **RUN, tau=-1)
     assert (out.cache.exit_depth == 2).all()
-    twins_only = greedy(with_head(plain_copy_with_twins(model), "base_head"))  # full quantization, full head
+    twins_only = generate(with_head(plain_copy_with_twins(model), "base_head"), IDS, **RUN)  # full quant., full head
     assert not all(torch.equal(a, b) for a, b in zip(out.logits, twins_only.logits))
-    reference = greedy(with_head(plain_copy_with_twins(model), "quantized_head"))  # ... and the quantized head
+    reference = generate(with_head(plain_copy_with_twins(model), "quantized_head"), IDS, **RUN)  # ... quantized head
     assert torch.equal(out.sequences, reference.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, reference.logits))
 
@@ -163,10 +155,9 @@ def test_with_mixed_exits_only_the_exited_steps_use_the_quantized_head():
     # the highest mean similarity of the eligible layers: on this model some steps exit there, others never
     tau = max(torch.nn.functional.cosine_similarity(states[l], states[l + 1], dim=-1).mean().item()
               for l in range(1, 5))
-    river_hf.build_river(model, RiverQuantConfig(start_layer=2, quantize_lm_head=True), progress=False)
-    calls = [0]
-    model.lm_head.quantized_head.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    out = greedy(model, tau=tau, max_new_tokens=16)
+    river_of(model, quantize_lm_head=True)
+    calls = count_calls(model.lm_head.quantized_head)
+    out = generate(model, IDS, tau=tau, max_new_tokens=16)
     prompt_length = out.cache.prompt_length
     step_depths = [out.cache.exit_depth[0, 0].item(), *out.cache.exit_depth[0, prompt_length:].tolist()]
     exited = sum(depth < 6 for depth in step_depths)
@@ -214,7 +205,7 @@ def test_original_lm_head_swaps_the_head_back_for_a_block():
 def test_save_pretrained_with_a_quantized_head_writes_the_plain_checkpoint(tmp_path):
     model = tiny_model("llama", tie_word_embeddings=True)
     model.save_pretrained(tmp_path / "plain")
-    river_hf.build_river(model, RiverQuantConfig(start_layer=2, quantize_lm_head=True), progress=False)
+    river_of(model, quantize_lm_head=True)
     model.save_pretrained(tmp_path / "river")
     assert isinstance(model.lm_head, RiverLMHead)  # back after saving
     original = load_file(tmp_path / "plain" / "model.safetensors")
@@ -238,7 +229,7 @@ def test_quantized_head_survives_save_and_from_pretrained(tmp_path):
     assert reloaded.config.quantization_config == quant
     assert isinstance(reloaded.lm_head, RiverLMHead) and reloaded.lm_head.quantized_head.nbits == 4
     assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
-    assert torch.equal(greedy(reloaded, tau=-1).sequences, greedy(model, tau=-1).sequences)
+    assert torch.equal(generate(reloaded, IDS, tau=-1).sequences, generate(model, IDS, tau=-1).sequences)
 
 
 def test_quantize_lm_head_needs_an_output_embedding():

@@ -7,18 +7,11 @@ import threading
 
 import torch
 
-import river_hf
-from river_hf import RiverConfig, RiverQuantConfig
+from river_hf import RiverConfig
 
-from conftest import tiny_model
+from conftest import confidence_tau, river_of, tiny_model
 
 ROUNDS = 6
-
-
-def river_model():
-    # The quantized LM head serves exited steps only: it must see its own thread's pass, not the other's.
-    quant = RiverQuantConfig(start_layer=1, group_size=32, quantize_lm_head=True)
-    return river_hf.build_river(tiny_model(), quant, progress=False)
 
 
 def run(model, ids, config):
@@ -27,18 +20,12 @@ def run(model, ids, config):
     return out.sequences, out.cache.exit_depth
 
 
-def confidence_tau(model, ids) -> float:
-    """A tau between the backbone's per-step confidences, so that some steps exit and some do not."""
-    probe = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                           output_logits=True, return_dict_in_generate=True)
-    return torch.stack([torch.softmax(step.float(), -1).amax(-1).min() for step in probe.logits]).median().item()
-
-
 def test_two_threads_on_one_model_each_get_their_own_tokens():
-    model = river_model()
+    # The quantized LM head serves exited steps only: it must see its own thread's pass, not the other's.
+    model = river_of(tiny_model(), start_layer=1, group_size=32, quantize_lm_head=True)
     torch.manual_seed(3)
     prompts = [torch.randint(3, 256, (1, 7)), torch.randint(3, 256, (1, 11))]
-    tau = confidence_tau(model, prompts[0])
+    tau = confidence_tau(model, prompts[0], max_new_tokens=16)
     configs = [RiverConfig(tau=tau, exit_signal="confidence", max_new_tokens=16, do_sample=False),
                RiverConfig(exit_signal="random", exit_rate=0.5, seed=7, max_new_tokens=16, do_sample=False)]
     alone = [run(model, ids, config) for ids, config in zip(prompts, configs)]
