@@ -83,11 +83,14 @@ def test_twin_matches_dequantized_linear(nbits, group_size, bias):
 
 @pytest.mark.parametrize("nbits, group_size", [(4, None), (3, None), (2, 64), (8, None), (8, 64)])
 def test_hqq_fallback_and_per_row_groups(nbits, group_size):
+    """Both the kernel and the 'hqq' fallback compute the linear of HQQ's own weight (the fallback IS
+    `F.linear(x, dequantized_weight())`, so only an independent reference can catch a wrong weight there)."""
     linear = make_linear()
     x = torch.randn(4, IN)
     for backend in ["auto", "hqq"]:
         twin = quiet_from_linear(linear, nbits=nbits, group_size=group_size, backend=backend)
-        expected = F.linear(x.to(torch.bfloat16).float(), twin.dequantized_weight(), linear.bias)
+        *_, weight = hqq_reference(linear.weight, nbits, twin.group_size)  # 8-bit 'auto': one group per row
+        expected = F.linear(x.to(torch.bfloat16).float(), weight, linear.bias)
         assert rel_error(twin(x), expected) < 6e-3, backend
 
 
@@ -194,7 +197,7 @@ def test_shapes_a_kernel_cannot_run():
         twin = RiverQuantLinear.from_linear(odd_rows, nbits=4, backend="auto")
     assert twin.backend == "hqq"
     x = torch.randn(3, IN)
-    torch.testing.assert_close(twin(x), F.linear(x, twin.dequantized_weight(), odd_rows.bias))
+    torch.testing.assert_close(twin(x), F.linear(x, hqq_reference(odd_rows.weight, 4, 64)[-1], odd_rows.bias))
     with pytest.raises(ValueError, match="`in_features`=40"):  # int8 kernel: K in blocks of 16 (else it crashes)
         RiverQuantLinear.from_linear(make_linear(in_features=40), nbits=8, group_size=None, backend="int8pack_cpu")
 
