@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 import river_hf
 from river_hf import RiverConfig, RiverQuantConfig
 
-from conftest import plain_copy_with_twins
+from conftest import generate, plain_copy_with_twins
 
 PROMPT = "w5 w9 w33 w70 w12"
 
@@ -19,8 +19,7 @@ def test_from_pretrained_with_quantization_config_builds_the_river(saved_tiny_mo
     layers = river_hf.river_layers(model)
     assert [layer.twin is not None for layer in layers] == [False] * 3 + [True] * 3
     ids = torch.tensor([[5, 9, 33, 70, 12]])
-    out = model.generate(ids, generation_config=RiverConfig(tau=-1, max_new_tokens=5, do_sample=False),
-                         return_dict_in_generate=True)
+    out = generate(model, ids, tau=-1, max_new_tokens=5)
     assert (out.cache.exit_depth == 3).all()
     out.cache.check_kv_integrity()
 

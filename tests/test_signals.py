@@ -217,6 +217,19 @@ def test_make_signal_builds_each_named_signal():
         make_signal(RiverSettings(tau=0.9, exit_signal="entropy"), 6)
 
 
+def test_a_registered_signal_is_asked_by_name_inside_the_routers_rules(scripted_exits):
+    name = scripted_exits([1, 3, 6, 4])  # river_hf.register_signal, through the conftest fixture
+    assert name in signal_names()
+    router = ExitRouter(RiverSettings(tau=0.9, exit_signal=name, prefill_exit="sequence"), start_layer=2,
+                        num_layers=6)
+    assert run_step(router, [[0.0]] * 6, num_new_tokens=5, first=True) == 6  # its prompts never exit
+    assert [run_step(router, [[0.0]] * 6) for _ in range(3)] == [2, 3, 6]  # depth 1 is lifted to the minimum
+    router.min_depth = 5  # a KV strategy raised it
+    assert run_step(router, [[0.0]] * 6) == 5
+    with pytest.raises(ValueError, match="ExitSignal subclass with a `name`"):
+        river_hf.register_signal(object)
+
+
 # ---- end to end ------------------------------------------------------------------------------------------------
 START = 2  # river_of's default start layer
 
