@@ -194,3 +194,47 @@ def short_twin_label(twins: dict) -> str:
     group = "row" if twins["group_size"] is None else f"g{twins['group_size']}"
     head = f" +{twins['lm_head_nbits']}b head" if twins.get("quantize_lm_head") else ""
     return f"{bits_label(twins['nbits'])}-bit {group}{head}"
+
+
+SCALING_COLORS = ("tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple", "tab:brown", "0.45", "tab:olive")
+
+
+def scaling_figure(records: list[dict]) -> Figure:
+    """Speed ratio (to each run's own backbone) against parameters, log x: one panel per machine capability, one
+    solid line per system (by name, across `--random-model` records), and its byte-limit ratio dashed."""
+    by_capability: dict[str, list[dict]] = {}
+    for record in records:
+        by_capability.setdefault(_machine(record), []).append(record)
+    figure = Figure(figsize=(6.5 * len(by_capability), 4.8))
+    axes = figure.subplots(1, len(by_capability), squeeze=False)[0]
+    for ax, (machine, group) in zip(axes, sorted(by_capability.items())):
+        group = sorted(group, key=_parameters)
+        names = list(dict.fromkeys(s["name"] for r in group for s in r["systems"] if s["kind"] != "backbone"))
+        for name, color in zip(names, SCALING_COLORS * (len(names) // len(SCALING_COLORS) + 1)):
+            points = [(_parameters(r), s["summary"]) for r in group for s in r["systems"] if s["name"] == name]
+            xs = [x for x, _ in points]
+            ax.plot(xs, [sm["speed_ratio"] for _, sm in points], marker="o", color=color, label=name)
+            limits = [sm.get("byte_ratio") for _, sm in points]
+            if all(limit is not None for limit in limits):
+                ax.plot(xs, limits, linestyle="--", color=color, alpha=0.7)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters (random-initialised Llama shapes)")
+        ax.set_ylabel("decode speed vs backbone (solid: measured, dashed: byte limit)")
+        ax.set_title(machine, fontsize=9)
+        ax.legend(fontsize=7)
+    figure.suptitle("speed-up vs model size; byte limit = backbone's weight bytes per token over the system's",
+                    fontsize=9)
+    figure.tight_layout()
+    return figure
+
+
+def _parameters(record: dict) -> float:
+    model = record.get("random_model") or {}
+    return float(model.get("parameters") or record["memory"]["backbone_weight_bytes"] / 2)  # bf16: 2 bytes each
+
+
+def _machine(record: dict) -> str:
+    env = record["environment"]
+    return (f"{env.get('cpu_model') or 'unknown CPU'}: {env.get('cpu_capability') or '?'}, "
+            f"{env.get('torch_threads')} threads")

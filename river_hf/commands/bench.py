@@ -38,11 +38,30 @@ def add_parser(subparsers) -> None:
                         help="JSON file, or a folder to write bench-<timestamp>.json in (default: "
                              "runs/bench-<timestamp>.json); the plots go beside it.")
     parser.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
+    _add_random_model_args(parser)
     _add_sweep_args(parser)
     common.add_prompt_args(parser, split="test")
     common.add_model_args(parser)
     common.add_twin_args(parser)
     parser.set_defaults(run=run, subparser=parser)
+
+
+def _add_random_model_args(parser: argparse.ArgumentParser) -> None:
+    from ..bench.shapes import PROMPT_LENGTH, SHAPES
+
+    group = parser.add_argument_group("random-initialised Llama shapes (speed vs parameters, no download)")
+    group.add_argument("--random-model", choices=list(SHAPES),
+                       default=None, metavar="NAME",
+                       help=f"Instead of --model: a Llama of this shape ({', '.join(SHAPES)}) with random bf16 "
+                            "weights. Speed, memory and weight bytes only (fidelity is not measured on random "
+                            "weights): the backbone, full quantization with 4-bit and with 8-bit twins, each with "
+                            "and without the 8-bit LM head, and random routing (--exit-rates, default 0.5 0.9), in one "
+                            "process. Two rivers are built one after the other, and HQQ quantization takes a while: "
+                            "seconds for the 135M shape, minutes for the 1B and 3B shapes on 2 CPU cores (a progress "
+                            "bar shows it). --nbits and --quantize-lm-head are fixed by this mode; the plot "
+                            "is <record>-scaling.png (combine records with `river-hf plot --scaling`).")
+    group.add_argument("--prompt-length", type=common.positive_int, default=PROMPT_LENGTH, metavar="T",
+                       help="Random token ids per prompt with --random-model (default: %(default)s).")
 
 
 def _add_sweep_args(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     quant_config = common.twin_config(args)
     output = common.output_path(args, records.default_name("bench"))
     settings = (QUICK if args.quick else FULL).with_overrides(**vars(args))
+    if args.random_model is not None:
+        return _run_random_model(args, quant_config, settings, output)
     prompt_set = common.load_prompts(args, settings.prompts_used)
     model_id, started = common.model_id(args), environment()
     model, tokenizer = common.load(args)
@@ -97,4 +118,26 @@ def run(args: argparse.Namespace) -> int:
         from ..bench.plots import write_plots
 
         print("plots: " + ", ".join(map(str, write_plots(record, output))))
+    return 0
+
+
+def _run_random_model(args: argparse.Namespace, quant_config, settings, output) -> int:
+    from ..bench import records, report
+    from ..bench.scaling import SCALING_EXIT_RATES, bench_random_model
+
+    if args.model is not None or args.gguf_file is not None or args.strategies:
+        raise CLIError("--random-model replaces --model/--gguf-file and runs its own systems (no --strategies).")
+    exit_rates = SCALING_EXIT_RATES if args.exit_rates is None else args.exit_rates
+    record = bench_random_model(args.random_model, settings, quant_config, device=args.device, exit_rates=exit_rates,
+                                seed=args.seed, prompt_length=args.prompt_length, build=common.build,
+                                arguments=common.arguments(args))
+    output = records.write_record(record, output)
+    print(report.markdown_table(record))
+    print(f"\nrecord: {output}")
+    if not args.no_plots:
+        from ..bench.plots import save, scaling_figure
+
+        path = output.with_name(output.stem + "-scaling.png")
+        save(scaling_figure([record]), path)
+        print(f"plot: {path}")
     return 0

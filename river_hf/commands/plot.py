@@ -16,13 +16,16 @@ def add_parser(subparsers) -> None:
         description="Reads `river-hf bench` JSON records and draws each one's cosine tau sweep, full-quantization "
                     "point and random-routing curve on one plane. Ratios stay each run's own (to its backbone).")
     parser.add_argument("records", nargs="+", metavar="RECORD.json")
+    parser.add_argument("--scaling", action="store_true",
+                        help="Records of `river-hf bench --random-model`: speed ratio vs parameters (log x), one line "
+                             "per system and panel per CPU capability, each system's byte limit dashed.")
     parser.add_argument("--output", required=True, metavar="PNG",
                         help="The PNG file, or a folder to write plot-<timestamp>.png in.")
     parser.set_defaults(run=run, subparser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.plots import precisions_figure, save
+    from ..bench.plots import precisions_figure, save, scaling_figure
     from ..bench.records import default_name
 
     output = common.output_path(args, default_name("plot", ".png"))
@@ -32,6 +35,6 @@ def run(args: argparse.Namespace) -> int:
             records.append(json.loads(Path(path).read_text()))
         except (OSError, ValueError) as error:
             raise CLIError(f"could not read bench record {path!r}: {error}") from error
-    save(precisions_figure(records), output)
+    save(scaling_figure(records) if args.scaling else precisions_figure(records), output)
     print(f"plot: {output}")
     return 0

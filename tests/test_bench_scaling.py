@@ -1,0 +1,105 @@
+"""`river-hf bench --random-model` (river_hf.bench.shapes, scaling) and `river-hf plot --scaling`, on the tiny shape."""
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from river_hf.bench.shapes import SHAPES, random_model, random_prompts, shape_config
+from river_hf.cli import main
+
+SYSTEMS = ["backbone", "full-quant 4-bit+head (river)", "static 4-bit", "static 4-bit+head", "static 8-bit",
+           "static 8-bit+head", "random p=0.5", "random p=0.9"]
+
+
+@pytest.mark.parametrize("name, parameters", [("smollm2-135m", 134_515_008), ("llama-3.2-1b", 1_235_814_400),
+                                              ("llama-3.2-3b", 3_212_749_824)])
+def test_shapes_have_the_public_checkpoints_parameter_counts(name, parameters):
+    with torch.device("meta"):  # no memory, no init
+        model = AutoModelForCausalLM.from_config(shape_config(name))
+    assert model.num_parameters() == parameters and model.config.tie_word_embeddings
+
+
+def test_random_model_is_bf16_seeded_and_prompts_are_fixed_length():
+    first, second = random_model("tiny-test"), random_model("tiny-test")
+    assert first.dtype == torch.bfloat16 and first.config.hidden_size == SHAPES["tiny-test"]["hidden_size"]
+    assert torch.equal(first.model.embed_tokens.weight, second.model.embed_tokens.weight)
+    prompts = random_prompts(256, 2, length=8)
+    assert [p["input_ids"].shape for p in prompts] == [torch.Size([1, 8])] * 2
+    assert int(prompts[0]["input_ids"].max()) < 256
+
+
+def test_unknown_shape_names_the_field():
+    with pytest.raises(ValueError, match="`random_model`='nope'"):
+        shape_config("nope")
+
+
+def run_cli(args):
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(args)
+    return code, stdout.getvalue()
+
+
+@pytest.fixture(scope="module")
+def scaling_run(tmp_path_factory):
+    output = tmp_path_factory.mktemp("scaling") / "tiny.json"
+    code, stdout = run_cli(["bench", "--random-model", "tiny-test", "--quick", "--prompts", "1", "--rounds", "1",
+                            "--max-new-tokens", "4", "--prompt-length", "8", "--start-layer", "1",
+                            "--output", str(output)])
+    assert code == 0
+    return json.loads(output.read_text()), stdout, output
+
+
+def test_random_model_record_has_speed_memory_bytes_and_no_fidelity(scaling_run):
+    record, _, _ = scaling_run
+    assert record["fidelity"] == "not measured: random weights"
+    assert [system["name"] for system in record["systems"]] == SYSTEMS
+    assert record["random_model"]["parameters"] == random_model("tiny-test").num_parameters()
+    assert set(record["random_model"]["peak_rss_after_bytes"]) == {"backbone", "8-bit twins", "4-bit twins + head"}
+    assert record["memory"]["process_peak_rss_bytes"] > 0
+    by_name = {system["name"]: system for system in record["systems"]}
+    for system in record["systems"]:
+        assert system["fidelity"]["match"] is None and not system["fidelity"]["measured"]
+        sm = system["summary"]
+        assert sm["weight_bytes_per_token"] > 0
+        assert sm["share_of_byte_limit"] == pytest.approx(sm["speed_ratio"] / sm["byte_ratio"])
+    bytes_of = {name: by_name[name]["summary"]["weight_bytes_per_token"] for name in SYSTEMS}
+    assert bytes_of["static 4-bit+head"] < bytes_of["static 4-bit"] < bytes_of["static 8-bit"] < bytes_of["backbone"]
+    assert bytes_of["full-quant 4-bit+head (river)"] == bytes_of["static 4-bit+head"]  # every token exits at 1
+    assert by_name["backbone"]["summary"]["byte_ratio"] == 1.0
+    assert record["twins"]["nbits"] == 4 and record["twins"]["quantize_lm_head"]
+    assert record["random_model"]["twin_builds"]["8-bit"]["nbits"] == 8
+
+
+def test_every_record_names_the_machine(scaling_run):
+    record, stdout, _ = scaling_run
+    env = record["environment"]
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert {"cpu_model", "torch_threads", "cpu_count", "torch", "transformers", "hqq", "river_hf"} <= set(env)
+    assert isinstance(record["kernel_choices"], list)
+    header = stdout.splitlines()[0]
+    assert f"{env['cpu_capability']} CPU capability, {env['torch_threads']} threads" in header
+    assert "| byte limit | share of limit |" in stdout and "| n/a | n/a |" in stdout
+    assert "how far from the byte limit" in stdout and "- static 8-bit: " in stdout
+
+
+def test_scaling_plots(scaling_run, tmp_path):
+    record, stdout, output = scaling_run
+    scaling_png = output.with_name("tiny-scaling.png")
+    assert scaling_png.read_bytes()[:4] == b"\x89PNG" and f"plot: {scaling_png}" in stdout
+    other = dict(record, environment={**record["environment"], "cpu_capability": "AVX512"},
+                 random_model={**record["random_model"], "parameters": 10 * record["random_model"]["parameters"]})
+    second = tmp_path / "other.json"
+    second.write_text(json.dumps(other))
+    code, printed = run_cli(["plot", "--scaling", str(output), str(second), "--output", str(tmp_path / "s.png")])
+    assert code == 0 and (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_random_model_refuses_a_model(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--random-model", "tiny-test", "--model", "x", "--output", str(tmp_path / "r.json")])
+    assert exit_info.value.code == 2 and "--random-model replaces --model" in capsys.readouterr().err
