@@ -5,7 +5,13 @@ import torch
 from conftest import river_of, tiny_model
 from torch import nn
 
-from river_hf.bench.bytes import add_byte_limits, byte_limit_lines, byte_table, read_bytes, system_bytes
+from river_hf.bench.bytes import (
+    add_byte_limits,
+    byte_limit_lines,
+    byte_table,
+    read_bytes,
+    system_bytes,
+)
 from river_hf.bench.systems import static_full_quant
 from river_hf.quantize import RiverQuantLinear
 

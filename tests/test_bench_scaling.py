@@ -95,7 +95,7 @@ def test_scaling_plots(scaling_run, tmp_path):
                  random_model={**record["random_model"], "parameters": 10 * record["random_model"]["parameters"]})
     second = tmp_path / "other.json"
     second.write_text(json.dumps(other))
-    code, printed = run_cli(["plot", "--scaling", str(output), str(second), "--output", str(tmp_path / "s.png")])
+    code, _ = run_cli(["plot", "--scaling", str(output), str(second), "--output", str(tmp_path / "s.png")])
     assert code == 0 and (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
 
 

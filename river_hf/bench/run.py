@@ -26,9 +26,9 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
+from .. import kernel_choice
 from ..models import build_chat_inputs
 from ..patching import is_river
-from .. import kernel_choice
 from .bytes import add_byte_limits
 from .fidelity import Fidelity, backbone_references
 from .report import full_quant_target, versus_random

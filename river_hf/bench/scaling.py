@@ -23,7 +23,14 @@ from ..lm_head import river_lm_head
 from ..patching import build_river, remove_river
 from .run import BenchSettings, environment, finish_record, peak_rss_bytes, run_bench
 from .shapes import PROMPT_LENGTH, SHAPES, random_model, random_prompts
-from .systems import BACKBONE, System, _copy_containers, fixed_length, random_systems, static_full_quant
+from .systems import (
+    BACKBONE,
+    System,
+    _copy_containers,
+    fixed_length,
+    random_systems,
+    static_full_quant,
+)
 
 SCALING_EXIT_RATES = (0.5, 0.9)
 NOT_MEASURED = "not measured: random weights"
