@@ -54,7 +54,7 @@ class RiverQuantConfig(QuantizationConfigMixin):
                   "full precision in the twins; they share the backbone's weights."},
     )
     backend: str = field(
-        default="auto",
+        default="fastest",
         metadata={"help": f"Twin kernel, one of {BACKENDS}. 'fastest' times the kernels that can run each layer on "
                   f"this machine, at that layer's shape, and takes the fastest (river_hf.kernel_choice); 'auto' takes "
                   f"the device's preferred kernel per width without measuring (CPU: int4pack_cpu for 2-4 bits, "

@@ -23,7 +23,6 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
@@ -138,7 +137,7 @@ def _time_round(name: str, copies: list, x: torch.Tensor) -> float:
     start = time.perf_counter()
     for module in copies:
         inputs = x if kernel.activation_dtype is None else cast(x, kernel.activation_dtype)
-        cast(kernel.matmul(module, inputs), torch.bfloat16)
+        cast(kernel.matmul(module["buffers"], module["group"], inputs), torch.bfloat16)
     _synchronize(x)
     return (time.perf_counter() - start) / len(copies) * 1e6
 
@@ -154,8 +153,7 @@ def _copies(name: str, nbits: int, group_size: int | None, out_features: int, in
     nbytes = sum(t.numel() * t.element_size() for t in buffers.values())
     count = count or max(2, min(MAX_COPIES, -(-2 * _cache_bytes() // max(nbytes, 1))))
     kernel_group = int4_kernel_group(in_features, group_size) if "scales_and_zeros" in buffers else None
-    return [SimpleNamespace(**{key: t.clone() for key, t in buffers.items()}, kernel_group_size=kernel_group,
-                            in_features=in_features, out_features=out_features) for _ in range(count)]
+    return [{"buffers": {key: t.clone() for key, t in buffers.items()}, "group": kernel_group} for _ in range(count)]
 
 
 def _cache_bytes() -> int:

@@ -116,33 +116,31 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _matmul_int4_cpu(module, x):  # x: [M, K] bf16 -> [M, N] bf16
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, module.qweight, module.kernel_group_size,
-                                                      cast(module.scales_and_zeros, torch.bfloat16))
+# The matmuls take the module's buffers as a dict (`module._buffers`): a buffer read through nn.Module.__getattr__
+# costs microseconds, and a decode step runs ~7 of these per layer. `group` is the int4 kernels' group size.
+def _matmul_int4_cpu(buffers, group, x):  # x: [M, K] bf16 -> [M, N] bf16
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, buffers["qweight"], group,
+                                                      cast(buffers["scales_and_zeros"], torch.bfloat16))
 
 
-def _matmul_tinygemm_cuda(module, x):  # x: [M, K] bf16 -> [M, N] bf16
-    return torch.ops.aten._weight_int4pack_mm(x, module.qweight, module.kernel_group_size,
-                                              cast(module.scales_and_zeros, torch.bfloat16))
+def _matmul_tinygemm_cuda(buffers, group, x):  # x: [M, K] bf16 -> [M, N] bf16
+    return torch.ops.aten._weight_int4pack_mm(x, buffers["qweight"], group,
+                                              cast(buffers["scales_and_zeros"], torch.bfloat16))
 
 
-def _matmul_int8_cpu(module, x):  # x: [M, K] bf16 -> [M, N] bf16
-    y = torch.ops.aten._weight_int8pack_mm(x, module.qweight, cast(module.kernel_scale, torch.bfloat16))
+def _matmul_int8(dtype, buffers, group, x):  # x: [M, K] `dtype` -> [M, N] `dtype`
+    y = torch.ops.aten._weight_int8pack_mm(x, buffers["qweight"], cast(buffers["kernel_scale"], dtype))
     # Rank-1 zero-point correction: the kernel is symmetric, HQQ's 8-bit grid is not (addcmul accumulates in fp32).
-    return torch.addcmul(y, x.sum(dim=-1, keepdim=True), cast(module.zero_shift, torch.bfloat16))
+    return torch.addcmul(y, x.sum(dim=-1, keepdim=True), cast(buffers["zero_shift"], dtype))
 
 
-def _matmul_int8_fp32_cpu(module, x):  # x: [M, K] fp32 -> [M, N] fp32
-    y = torch.ops.aten._weight_int8pack_mm(x, module.qweight, cast(module.kernel_scale, torch.float32))
-    return torch.addcmul(y, x.sum(dim=-1, keepdim=True), cast(module.zero_shift, torch.float32))
+def _matmul_dense(buffers, group, x):  # x: [M, K] bf16 -> [M, N] bf16
+    return F.linear(x, cast(buffers["qweight"], torch.bfloat16))
 
 
-def _matmul_dense(module, x):  # x: [M, K] bf16 -> [M, N] bf16
-    return F.linear(x, cast(module.qweight, torch.bfloat16))
-
-
-def _matmul_hqq(module, x):  # x: [M, K] any float dtype -> [M, N] same dtype
-    return F.linear(x, module.dequantized_weight().to(x.dtype))
+def _matmul_hqq(buffers, group, x):  # x: [M, K] any float dtype -> [M, N] same dtype
+    weight = dequantize(buffers["qweight"], buffers["scale"], buffers["zero"])
+    return F.linear(x, weight.to(x.dtype))
 
 
 def _codes_via_int4_kernel(module) -> torch.Tensor:
@@ -177,7 +175,7 @@ class Kernel(NamedTuple):
     nbits: tuple[int, ...]
     ops: tuple[str, ...]  # aten ops it needs (older torch builds lack some)
     pack: Callable  # (codes, scale, zero, group_size, nbits) -> {buffer name: tensor}
-    matmul: Callable  # (module, x [M, K]) -> [M, N]
+    matmul: Callable  # (buffers: {name: tensor}, int4 group size, x [M, K]) -> [M, N]
     codes: Callable  # module -> HQQ's codes [N, K]
     activation_dtype: torch.dtype | None  # what the kernel takes (None: the input's own dtype)
 
@@ -189,10 +187,10 @@ KERNELS = {
         activation_dtype=torch.bfloat16),
     "int8pack_cpu": Kernel(
         device_type="cpu", nbits=(8,), ops=("_weight_int8pack_mm",),
-        pack=_pack_int8_cpu, matmul=_matmul_int8_cpu, codes=_codes_int8, activation_dtype=torch.bfloat16),
+        pack=_pack_int8_cpu, matmul=partial(_matmul_int8, torch.bfloat16), codes=_codes_int8, activation_dtype=torch.bfloat16),
     "int8pack_fp32_cpu": Kernel(
         device_type="cpu", nbits=(8,), ops=("_weight_int8pack_mm",),
-        pack=_pack_int8_fp32_cpu, matmul=_matmul_int8_fp32_cpu, codes=_codes_int8, activation_dtype=torch.float32),
+        pack=_pack_int8_fp32_cpu, matmul=partial(_matmul_int8, torch.float32), codes=_codes_int8, activation_dtype=torch.float32),
     "dense": Kernel(
         device_type=None, nbits=SUPPORTED_NBITS, ops=(),
         pack=_pack_dense, matmul=_matmul_dense, codes=_codes_dense, activation_dtype=torch.bfloat16),

@@ -142,6 +142,10 @@ class RiverQuantLinear(nn.Module):
         for name, tensor in buffers.items():
             self.register_buffer(name, tensor)
         self.register_buffer("bias", bias)
+        # Plain attributes, read on every call: a buffer lookup goes through nn.Module.__getattr__ (~1 µs), and a
+        # decode step makes ~7 calls per layer, so the hot path reads as few as it can.
+        self.kernel = KERNELS[backend]
+        self.has_bias = bias is not None
         # int4 kernels read per-row scales as groups they accept (see _int4_kernel_group).
         sz = buffers.get("scales_and_zeros")
         self.kernel_group_size = None if sz is None else in_features // sz.shape[0]
@@ -159,17 +163,17 @@ class RiverQuantLinear(nn.Module):
         return cls(linear.in_features, linear.out_features, nbits, group_size, backend, buffers, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
-        kernel = KERNELS[self.backend]
-        if kernel.device_type not in (None, x.device.type):
+        kernel = self.kernel
+        if kernel.device_type is not None and kernel.device_type != x.device.type:
             raise RuntimeError(f"RiverQuantLinear was packed for {kernel.device_type} ({self.backend!r}) but got "
                                f"input on {x.device.type}; rebuild it with from_linear on that device.")
         x2d = x.reshape(-1, self.in_features)  # [M, K]
         if kernel.activation_dtype is not None:
             x2d = cast(x2d, kernel.activation_dtype).contiguous()  # the packed kernels take one dtype
-        y = cast(kernel.matmul(self, x2d), x.dtype)  # [M, N]
-        if self.bias is not None:
+        y = cast(kernel.matmul(self._buffers, self.kernel_group_size, x2d), x.dtype)  # [M, N]
+        if self.has_bias:
             y = y + cast(self.bias, x.dtype)
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
     @torch.no_grad()
     def dequantized_weight(self) -> torch.Tensor:

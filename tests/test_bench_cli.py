@@ -46,7 +46,7 @@ def bench_run(tmp_path_factory):
         code = main(["bench", "--model", model_dir, "--data", data, "--taus", "-1", "0.8", "1.5", "--prompts",
                      str(PROMPTS), "--rounds", str(ROUNDS), "--max-new-tokens", str(TOKENS), "--fidelity-prompts",
                      "2", "--fidelity-tokens", "5", "--exit-rates", "0.5", "--signals", "update_norm",
-                     "--signal-taus", "0.5", "--output", str(output)])
+                     "--signal-taus", "0.5", "--backend", "auto", "--output", str(output)])
     assert code == 0
     return json.loads(output.read_text()), stdout.getvalue(), output
 

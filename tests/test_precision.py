@@ -37,7 +37,7 @@ def with_head(reference, name: str):
 
 
 def test_schedule_builds_each_twin_with_its_layers_bits_and_kernel():
-    config = RiverQuantConfig(nbits=[8, 8, 4, 4, 2], group_size=64, start_layer=1)
+    config = RiverQuantConfig(nbits=[8, 8, 4, 4, 2], group_size=64, start_layer=1, backend="auto")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = river_hf.build_river(tiny_model("llama"), config, progress=False)
@@ -93,14 +93,14 @@ def test_single_nbits_8_keeps_its_one_warning_about_group_size():
     """Unchanged for an int: nbits=8 with a group size still says the int8 kernel ignores it (once per message)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = river_hf.build_river(tiny_model(), RiverQuantConfig(nbits=8, group_size=64, start_layer=4),
+        model = river_hf.build_river(tiny_model(), RiverQuantConfig(nbits=8, group_size=64, start_layer=4, backend="auto"),
                                      progress=False)
     assert {str(w.message) for w in caught if "one group per output row" in str(w.message)} != set()
     assert twin_kernels(model) == {4: {(8, None, "int8pack_cpu")}, 5: {(8, None, "int8pack_cpu")}}
 
 
 def test_schedule_survives_save_and_from_pretrained(saved_tiny_model, tmp_path):
-    quant = RiverQuantConfig(nbits=[8, 4, 4, 8], start_layer=2, group_size=32)
+    quant = RiverQuantConfig(nbits=[8, 4, 4, 8], start_layer=2, group_size=32, backend="auto")
     model = AutoModelForCausalLM.from_pretrained(saved_tiny_model, quantization_config=quant)
     expected = {2: {(8, None, "int8pack_cpu")}, 3: {(4, 32, "int4pack_cpu")}, 4: {(4, 32, "int4pack_cpu")},
                 5: {(8, None, "int8pack_cpu")}}
@@ -133,7 +133,8 @@ def test_quantized_head_is_unused_unless_a_step_exits(arch):
                                                       ("gemma3", 8, "int8pack_cpu")])
 def test_exited_steps_use_the_quantized_head(arch, head_bits, backend):
     model = river_hf.build_river(tiny_model(arch, tie_word_embeddings=True),
-                                 RiverQuantConfig(start_layer=2, quantize_lm_head=True, lm_head_nbits=head_bits),
+                                 RiverQuantConfig(start_layer=2, quantize_lm_head=True, lm_head_nbits=head_bits,
+                                                  backend="auto"),
                                  progress=False)
     head = model.get_output_embeddings()
     assert isinstance(head, RiverLMHead)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
+from .. import kernel_choice
 from ..config import RiverQuantConfig, bits_label
 from ..generation import RiverConfig
 from ..models import load_model_and_tokenizer
@@ -159,8 +160,10 @@ def add_twin_args(parser: argparse.ArgumentParser) -> None:
                        help="HQQ quantization group size, or 'none' for one group per row (default: %(default)s).")
     group.add_argument("--start-layer", type=positive_int, default=1, metavar="L",
                        help="First decoder layer with a twin (default: %(default)s).")
-    group.add_argument("--backend", default="auto", choices=BACKENDS,
-                       help="Twin kernel; 'auto' picks the fastest for the device (default: %(default)s).")
+    group.add_argument("--backend", default=RiverQuantConfig().backend, choices=BACKENDS,
+                       help="Twin kernel: 'fastest' times the kernels that can run each layer shape on this machine "
+                            "and takes the fastest (shown after the build); 'auto' takes the device's preferred "
+                            "kernel without measuring (default: %(default)s).")
 
 
 def twin_config(args: argparse.Namespace) -> RiverQuantConfig:
@@ -176,7 +179,11 @@ def build(model, quant_config: RiverQuantConfig):
     print(f"building river: quantizing {layers} layers ({bits_label(quant_config.nbits)}-bit twins, group "
           f"{quant_config.group_size})...", file=sys.stderr, flush=True)
     with user_errors():  # e.g. --start-layer beyond the model's depth
-        return build_river(model, quant_config)
+        model = build_river(model, quant_config)
+    for choice in kernel_choice.measured_choices():
+        print(f"  kernel, measured ({kernel_choice.cpu_description()['cpu_capability']}): {choice.describe()}",
+              file=sys.stderr)
+    return model
 
 
 # ---- the river: flags derived from RiverSettings ----------------------------------------------------------------
