@@ -14,7 +14,7 @@ from .layers import RiverLayer, river_layers
 from .lm_head import RiverLMHead
 from .patching import build_river, is_river, remove_river
 from .settings import RiverSettings
-from .signals import ExitSignal, register_signal
+from .signals import ExitSignal, register_signal, unregister_signal
 
 register_with_transformers()
 
@@ -29,6 +29,7 @@ __all__ = [
     "RiverSettings",
     "ExitSignal",
     "register_signal",
+    "unregister_signal",
     "UnsupportedModelError",
     "build_river",
     "is_river",

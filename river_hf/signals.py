@@ -165,6 +165,13 @@ def register_signal(cls: type[ExitSignal]) -> type[ExitSignal]:
     return cls
 
 
+def unregister_signal(name: str) -> None:
+    """Take a registered signal away again (e.g. a test's); the built-in ones are refused."""
+    if name in _BUILT_IN:
+        raise ValueError(f"`exit_signal`={name!r} is built in and cannot be unregistered.")
+    SIGNALS.pop(name, None)
+
+
 def signal_names() -> tuple[str, ...]:
     return tuple(SIGNALS)
 
@@ -272,6 +279,9 @@ class RandomExit(ExitSignal):
 
     def decide(self, depth, h_in, h_out, mask) -> bool:
         return self.drawn_depth is not None and depth >= self.drawn_depth
+
+
+_BUILT_IN = frozenset(SIGNALS)  # everything registered above
 
 
 def top1_probability(logits: torch.Tensor) -> torch.Tensor:

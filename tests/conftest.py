@@ -193,7 +193,7 @@ def scripted_exits():
 
     yield script
     for name in names:
-        river_hf.signals.SIGNALS.pop(name, None)
+        river_hf.signals.unregister_signal(name)
 
 
 # ---------------------------------------------------------------- inputs

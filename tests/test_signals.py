@@ -230,6 +230,17 @@ def test_a_registered_signal_is_asked_by_name_inside_the_routers_rules(scripted_
         river_hf.register_signal(object)
 
 
+def test_an_unregistered_signal_is_gone_and_built_ins_stay(scripted_exits):
+    name = scripted_exits([2])
+    river_hf.unregister_signal(name)
+    assert name not in signal_names()
+    with pytest.raises(ValueError, match="`exit_signal`"):
+        RiverSettings(exit_signal=name)
+    with pytest.raises(ValueError, match="built in"):
+        river_hf.unregister_signal("cosine")
+    assert "cosine" in signal_names()
+
+
 # ---- end to end ------------------------------------------------------------------------------------------------
 START = 2  # river_of's default start layer
 
