@@ -45,6 +45,7 @@ def markdown_table(record: dict) -> str:
     if limits:
         lines += ["", "how far from the byte limit (weight bytes a decoded token reads; the backbone's over the "
                       "system's is the speed-up a purely memory-bound decode could reach):", *limits]
+    lines += step_split_table(record["systems"])
     target = record.get("target")
     if target:
         met = "met" if target["met"] else "NOT met"
@@ -53,6 +54,22 @@ def markdown_table(record: dict) -> str:
     for key, what in (("versus_random", "speed"), ("versus_random_at_equal_depth", "mean exit depth")):
         lines += _versus_random_lines(record.get(key), what)
     return "\n".join(lines)
+
+
+def step_split_table(systems: list[dict]) -> list[str]:
+    """Where a decode step goes, ms per token (one hooked generate call per system; see bench/step_split.py)."""
+    splits = [(system, system["summary"].get("step_split_ms_per_token")) for system in systems]
+    if not any(split for _, split in splits):
+        return []
+    lines = ["", "where a decode step goes, ms per token (one extra generate call per system with clock hooks, which "
+                 "add a little to every part):", "",
+             "| system | matmuls in layers | rest of layers | routing | outside layers | total |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for system, split in splits:
+        if split:
+            lines.append(f"| {system_label(system)} | {split['matmuls']:.1f} | {split['rest_of_layers']:.1f} | "
+                         f"{split['routing']:.1f} | {split['outside_layers']:.1f} | {split['total']:.1f} |")
+    return lines
 
 
 def _versus_random_lines(comparison: dict | None, what: str) -> list[str]:

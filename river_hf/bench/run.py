@@ -33,6 +33,7 @@ from .bytes import add_byte_limits
 from .fidelity import Fidelity, backbone_references
 from .report import full_quant_target, versus_random
 from .speed import Timing, interleaved, median_rate
+from .step_split import step_split
 from .systems import (
     BACKBONE,
     STATIC_FULL_QUANT,
@@ -101,6 +102,8 @@ def run_bench(model, prompt_inputs: list[dict], settings: BenchSettings, systems
     taus = [system.tau for system in systems if system.kind == "river" and system.signal == "cosine"]
     records = system_records(systems, timings, fidelities, twins, len(speed_prompts))
     add_byte_limits(records, [system.model or model for system in systems])
+    for record, split in zip(records, measure_step_splits(model, systems, speed_prompts[0])):
+        record["summary"]["step_split_ms_per_token"] = split
     return {"settings": {**asdict(settings), "taus": taus, "batch_size": 1, "warmup_passes": 1},
             "twins": twins, "systems": records, "memory": memory_report(model, rss_built)}
 
@@ -110,6 +113,12 @@ def measure_speed(model, systems: list[System], prompts: list[dict], rounds: int
     models = {system.name: system.model for system in systems if system.model is not None}
     with tqdm(total=len(configs) * len(prompts) * rounds, desc="speed (interleaved)", file=sys.stderr) as bar:
         return interleaved(model, configs, prompts, rounds, progress=bar.update, models=models, profile=True)
+
+
+def measure_step_splits(model, systems: list[System], inputs: dict) -> list[dict]:
+    """Per system, where a decode step's time goes (`step_split`): one extra, hooked generate call each."""
+    return [step_split(system.model or model, inputs, system.config)
+            for system in tqdm(systems, desc="step split (hooked)", file=sys.stderr)]
 
 
 def measure_all_fidelity(model, systems: list[System], prompts: list[dict], tokens: int) -> dict[str, Fidelity]:
