@@ -103,3 +103,23 @@ def test_random_model_refuses_a_model(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--random-model", "tiny-test", "--model", "x", "--output", str(tmp_path / "r.json")])
     assert exit_info.value.code == 2 and "--random-model replaces --model" in capsys.readouterr().err
+
+
+def test_one_build_only_runs_its_own_systems(tmp_path):
+    output = tmp_path / "four.json"
+    code, _ = run_cli(["bench", "--random-model", "tiny-test", "--quick", "--prompts", "1", "--rounds", "1",
+                       "--max-new-tokens", "3", "--prompt-length", "8", "--start-layer", "1", "--backend", "auto",
+                       "--twin-bits", "4", "--exit-rates", "0.5", "--no-plots", "--output", str(output)])
+    record = json.loads(output.read_text())
+    assert code == 0 and list(record["random_model"]["twin_builds"]) == ["4-bit"]
+    assert [system["name"] for system in record["systems"]] == [
+        "backbone", "full-quant 4-bit+head (river)", "static 4-bit", "static 4-bit+head", "random p=0.5"]
+    assert set(record["random_model"]["peak_rss_after_bytes"]) == {"backbone", "4-bit twins + head"}
+
+
+def test_unknown_twin_bits_name_the_field():
+    from river_hf.bench.scaling import twin_configs
+    from river_hf.config import RiverQuantConfig
+
+    with pytest.raises(ValueError, match="`twin_bits`=\\(3,\\)"):
+        twin_configs(RiverQuantConfig(), (3,))

@@ -33,14 +33,20 @@ from .systems import (
 )
 
 SCALING_EXIT_RATES = (0.5, 0.9)
+TWIN_BITS = (8, 4)  # the builds, in build order
 NOT_MEASURED = "not measured: random weights"
 
 
-def twin_configs(quant: RiverQuantConfig) -> dict[str, RiverQuantConfig]:
-    """The two builds: 8-bit twins (per row: the int8 kernels read one scale per row) without a quantized head, then
-    4-bit twins with the 8-bit head; group size, start layer and backend as `quant` says."""
-    return {"8-bit": replace(quant, nbits=8, group_size=None, quantize_lm_head=False),
-            "4-bit": replace(quant, nbits=4, quantize_lm_head=True, lm_head_nbits=8)}
+def twin_configs(quant: RiverQuantConfig, twin_bits=TWIN_BITS) -> dict[str, RiverQuantConfig]:
+    """The builds: 8-bit twins (per row: the int8 kernels read one scale per row) without a quantized head, then
+    4-bit twins with the 8-bit head; group size, start layer and backend as `quant` says. `twin_bits` keeps only some
+    (e.g. (4,) where two builds do not fit in memory: the 3B shape on a 24 GiB machine)."""
+    configs = {8: ("8-bit", replace(quant, nbits=8, group_size=None, quantize_lm_head=False)),
+               4: ("4-bit", replace(quant, nbits=4, quantize_lm_head=True, lm_head_nbits=8))}
+    unknown = sorted(set(twin_bits) - set(configs))
+    if unknown or not twin_bits:
+        raise ValueError(f"`twin_bits`={tuple(twin_bits)!r}: use 4, 8 or both.")
+    return dict(configs[bits] for bits in TWIN_BITS if bits in twin_bits)
 
 
 def with_head(static_model, head):
@@ -52,39 +58,50 @@ def with_head(static_model, head):
 
 
 def scaling_systems(model, quant: RiverQuantConfig, max_new_tokens: int, exit_rates=SCALING_EXIT_RATES,
-                    seed: int = 0, build=build_river, stages: dict | None = None) -> list[System]:
-    """Build both rivers on `model` (it ends as the 4-bit river with the quantized head) and return the systems.
-    `build(model, config)` builds one river (default `build_river`, with its progress bar); `stages` gets the peak
-    RSS after each build."""
-    fixed, configs = fixed_length(max_new_tokens), twin_configs(quant)
+                    seed: int = 0, build=build_river, stages: dict | None = None,
+                    twin_bits=TWIN_BITS) -> list[System]:
+    """Build the rivers of `twin_bits` on `model` (it ends as the last one: the 4-bit river with the quantized head
+    when 4 is among them) and return the systems. `build(model, config)` builds one river (default `build_river`,
+    with its progress bar); `stages` gets the peak RSS after each build."""
+    fixed, configs = fixed_length(max_new_tokens), twin_configs(quant, twin_bits)
     stages = stages if stages is not None else {}
     stages["backbone"] = peak_rss_bytes()
-    build(model, configs["8-bit"])
-    static8 = static_full_quant(model)
-    remove_river(model)  # the 8-bit twins live on in static8
-    stages["8-bit twins"] = peak_rss_bytes()
-    build(model, configs["4-bit"])
-    stages["4-bit twins + head"] = peak_rss_bytes()
-    static4 = static_full_quant(model)
-    head = river_lm_head(model).quantized_head
+    statics, head = {}, None
+    for label, config in configs.items():
+        if statics:
+            remove_river(model)  # the earlier build's twins live on in its static model
+        build(model, config)
+        stages[label + (" twins + head" if config.quantize_lm_head else " twins")] = peak_rss_bytes()
+        statics[label] = static_full_quant(model)
+        head = river_lm_head(model).quantized_head if config.quantize_lm_head else head
     plain = GenerationConfig(**fixed)
-    statics = [("static 4-bit", static4), ("static 4-bit+head", with_head(static4, head)),
-               ("static 8-bit", static8), ("static 8-bit+head", with_head(static8, head))]
+    last = list(configs)[-1] + ("+head" if head is not None else "")
     return [System(BACKBONE, "backbone", plain),
-            System("full-quant 4-bit+head (river)", "full-quant", RiverConfig(tau=-1.0, **fixed), tau=-1.0),
-            *[System(name, "static-full-quant", plain, model=static) for name, static in statics],
+            System(f"full-quant {last} (river)", "full-quant", RiverConfig(tau=-1.0, **fixed), tau=-1.0),
+            *_static_systems(statics, head, plain),
             *random_systems(list(exit_rates), seed, fixed)]
+
+
+def _static_systems(statics: dict, head, plain) -> list[System]:
+    """Each build's static full quantization, with and without the quantized head (when one was built)."""
+    systems = []
+    for label in sorted(statics, key=lambda label: int(label.split("-")[0])):  # 4-bit first, as before
+        variants = [(f"static {label}", statics[label])]
+        if head is not None:
+            variants.append((f"static {label}+head", with_head(statics[label], head)))
+        systems += [System(name, "static-full-quant", plain, model=static) for name, static in variants]
+    return systems
 
 
 def bench_random_model(name: str, settings: BenchSettings, quant: RiverQuantConfig, *, device: str = "cpu",
                        exit_rates=SCALING_EXIT_RATES, seed: int = 0, prompt_length: int = PROMPT_LENGTH,
-                       build=build_river, arguments: dict | None = None) -> dict:
+                       build=build_river, arguments: dict | None = None, twin_bits=TWIN_BITS) -> dict:
     """The whole scaling bench of shape `name` as one JSON-ready record (speed, memory, bytes; no fidelity)."""
     started = environment()
     model = random_model(name, seed=seed, device=device)
     parameters = model.num_parameters()
     stages: dict[str, int] = {}
-    systems = scaling_systems(model, quant, settings.max_new_tokens, exit_rates, seed, build, stages)
+    systems = scaling_systems(model, quant, settings.max_new_tokens, exit_rates, seed, build, stages, twin_bits)
     prompts = random_prompts(model.config.vocab_size, settings.prompts, prompt_length, seed, device)
     record = run_bench(model, prompts, settings, systems, fidelity=False)
     texts = [f"{prompt_length} random token ids (seed {seed}, prompt {idx})" for idx in range(settings.prompts)]
@@ -93,5 +110,5 @@ def bench_random_model(name: str, settings: BenchSettings, quant: RiverQuantConf
     record["fidelity"] = NOT_MEASURED
     record["random_model"] = {"name": name, "shape": SHAPES[name], "parameters": parameters,
                               "prompt_length": prompt_length, "seed": seed, "peak_rss_after_bytes": stages,
-                              "twin_builds": {label: config.to_dict() for label, config in twin_configs(quant).items()}}
+                              "twin_builds": {label: config.to_dict() for label, config in twin_configs(quant, twin_bits).items()}}
     return record

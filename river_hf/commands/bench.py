@@ -62,6 +62,9 @@ def _add_random_model_args(parser: argparse.ArgumentParser) -> None:
                             "is <record>-scaling.png (combine records with `river-hf plot --scaling`).")
     group.add_argument("--prompt-length", type=common.positive_int, default=PROMPT_LENGTH, metavar="T",
                        help="Random token ids per prompt with --random-model (default: %(default)s).")
+    group.add_argument("--twin-bits", type=int, nargs="+", choices=(4, 8), default=[8, 4], metavar="BITS",
+                       help="The river builds of --random-model (default: both, 8 then 4); `--twin-bits 4` builds "
+                            "only the 4-bit twins with the 8-bit head, where two builds do not fit in memory.")
 
 
 def _add_sweep_args(parser: argparse.ArgumentParser) -> None:
@@ -130,7 +133,7 @@ def _run_random_model(args: argparse.Namespace, quant_config, settings, output) 
     exit_rates = SCALING_EXIT_RATES if args.exit_rates is None else args.exit_rates
     record = bench_random_model(args.random_model, settings, quant_config, device=args.device, exit_rates=exit_rates,
                                 seed=args.seed, prompt_length=args.prompt_length, build=common.build,
-                                arguments=common.arguments(args))
+                                arguments=common.arguments(args), twin_bits=tuple(args.twin_bits))
     output = records.write_record(record, output)
     print(report.markdown_table(record))
     print(f"\nrecord: {output}")
