@@ -12,6 +12,8 @@ from .generation import RiverConfig, RiverGenerationMixin
 from .hf_integration import register_with_transformers
 from .layers import RiverLayer, river_layers
 from .lm_head import RiverLMHead
+from .offload import offload_backbone, offloaded_layers, reload_backbone
+from .offload_choice import exit_depth_histogram
 from .patching import build_river, is_river, remove_river
 from .settings import RiverSettings
 from .signals import ExitSignal, register_signal, unregister_signal
@@ -32,6 +34,10 @@ __all__ = [
     "unregister_signal",
     "UnsupportedModelError",
     "build_river",
+    "exit_depth_histogram",
+    "offload_backbone",
+    "offloaded_layers",
+    "reload_backbone",
     "is_river",
     "remove_river",
     "river_layers",

@@ -22,6 +22,8 @@ from .quantize import BACKENDS, SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS, backend_
 
 RIVER_QUANT_METHOD = "river"
 PER_ROW_NBITS = 8  # schedule entries and LM heads of this many bits are quantized per row (the int8 kernel's layout)
+OFFLOAD_DESTINATIONS = ("disk", "cpu")  # where river_hf.offload_backbone keeps offloaded backbone weights
+DEFAULT_OFFLOAD_MAX_SHARE = 0.05  # "auto" offloads backbone layers run by fewer than this share of decoded tokens
 
 
 @dataclass
@@ -71,6 +73,27 @@ class RiverQuantConfig(QuantizationConfigMixin):
         metadata={"help": f"Bits of the quantized LM head, one of {SUPPORTED_NBITS} (used when quantize_lm_head). "
                   f"8 bits: one group per output row; fewer bits use `group_size`."},
     )
+    offload: str | None = field(
+        default=None,
+        metadata={"help": f"Backbone offloading after the build (river_hf.offload_backbone), one of "
+                  f"{OFFLOAD_DESTINATIONS} or None (no offloading): 'disk' keeps the offloaded backbone weights in "
+                  f"memory-mapped safetensors files, 'cpu' (CUDA models) in CPU memory; they page in for the steps "
+                  f"that run those backbone layers. The twins and the quantized LM head stay resident."},
+    )
+    offload_layers: str | list[int] = field(
+        default="auto",
+        metadata={"help": "The decoder layers whose backbone weights are offloaded (from start_layer on), or 'auto': "
+                  "those run by fewer than `offload_max_share` of decoded tokens in `offload_exit_histogram`."},
+    )
+    offload_folder: str | None = field(
+        default=None, metadata={"help": "Where offload='disk' writes its files (a fresh subfolder per model); None: "
+                                "$RIVER_HF_CACHE/offload or ~/.cache/river_hf/offload."})
+    offload_max_share: float = field(default=DEFAULT_OFFLOAD_MAX_SHARE, metadata={"help": "See `offload_layers`."})
+    offload_exit_histogram: dict | None = field(
+        default=None,
+        metadata={"help": "For offload_layers='auto': a measured {exit depth: decoded tokens} histogram, e.g. from "
+                  "river_hf.exit_depth_histogram(...) or a bench record's `exit_depth_histogram`."},
+    )
     quant_method: str = field(default=RIVER_QUANT_METHOD, metadata={"help": "Fixed: 'river'."})
 
     def __post_init__(self):
@@ -100,6 +123,24 @@ class RiverQuantConfig(QuantizationConfigMixin):
             raise ValueError(f"`quantize_lm_head` must be True or False; got {self.quantize_lm_head!r}.")
         check_choice("lm_head_nbits", self.lm_head_nbits, SUPPORTED_NBITS)
         self._check_backend_runs_every_width()
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        """The offload fields' own rules; layer indices against the model are checked when the river is built."""
+        if self.offload is None:
+            return
+        check_choice("offload", self.offload, OFFLOAD_DESTINATIONS)
+        if isinstance(self.offload_layers, str):
+            check_choice("offload_layers", self.offload_layers, ("auto",))
+            if self.offload_exit_histogram is None:
+                raise ValueError("`offload_layers`='auto' needs `offload_exit_histogram` (a measured {exit depth: "
+                                 "decoded tokens}, e.g. from river_hf.exit_depth_histogram); or give layer indices.")
+        elif not isinstance(self.offload_layers, (list, tuple)) or not all(is_int(i) for i in self.offload_layers):
+            raise ValueError(f"`offload_layers` must be 'auto' or a list of decoder-layer indices; got "
+                             f"{self.offload_layers!r}.")
+        share = self.offload_max_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"`offload_max_share` must be a share of decoded tokens in (0, 1]; got {share!r}.")
 
     def _check_backend_runs_every_width(self) -> None:
         """An explicit kernel must run every bit width asked of it (a device-independent check; 'auto' picks one
@@ -189,6 +230,8 @@ class RiverQuantConfig(QuantizationConfigMixin):
 
 
 def _plain(value):
+    if isinstance(value, dict):
+        return dict(value)
     return list(value) if isinstance(value, (list, tuple)) else value  # a copy: the dict must not alias the config
 
 

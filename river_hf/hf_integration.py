@@ -16,6 +16,7 @@ from transformers.quantizers.auto import (
 )
 
 from .config import RIVER_QUANT_METHOD, RiverQuantConfig
+from .offload import offload_backbone
 from .patching import build_river
 
 
@@ -28,7 +29,12 @@ class RiverHfQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        return build_river(model, self.quantization_config)
+        config = self.quantization_config
+        build_river(model, config)
+        if config.offload is not None:  # the backbone weights rarely run leave the device (river_hf.offload)
+            offload_backbone(model, layers=config.offload_layers, to=config.offload, folder=config.offload_folder,
+                             histogram=config.offload_exit_histogram, max_share=config.offload_max_share)
+        return model
 
     def is_serializable(self, **kwargs) -> bool:
         # RiverGenerationMixin.save_pretrained writes the backbone's checkpoint (original layers and LM head) plus

@@ -16,6 +16,7 @@ from .config import RiverQuantConfig
 from .generation import RiverGenerationMixin
 from .layers import RiverLayer, make_twin
 from .lm_head import RiverLMHead, install_lm_head, remove_lm_head
+from .offload import reload_backbone
 from .passes import hook_passes
 from .quantize import RiverQuantLinear
 
@@ -81,6 +82,7 @@ def remove_river(model: nn.Module) -> nn.Module:
     Returns the same model."""
     if not is_river(model):
         raise ValueError("This model has no river to remove (river_hf.build_river was not applied to it).")
+    reload_backbone(model)  # offloaded backbone weights first come back, exactly (a no-op when none are offloaded)
     layers = find_decoder_layers(model)
     for idx, layer in enumerate(layers):
         if isinstance(layer, RiverLayer):
