@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
@@ -50,9 +50,15 @@ class PageInStats:
 
     loads: int = 0
     seconds: float = 0.0
+    loads_by_layer: dict[int, int] = field(default_factory=dict)
+
+    def add(self, layer_idx: int, seconds: float) -> None:
+        self.loads += 1
+        self.seconds += seconds
+        self.loads_by_layer[layer_idx] = self.loads_by_layer.get(layer_idx, 0) + 1
 
     def reset(self) -> None:
-        self.loads, self.seconds = 0, 0.0
+        self.loads, self.seconds, self.loads_by_layer = 0, 0.0, {}
 
 
 class OffloadStore:
@@ -100,8 +106,7 @@ class BackboneOffloadHook(AlignDevicesHook):
     def pre_forward(self, module, *args, **kwargs):
         started = time.perf_counter()
         result = super().pre_forward(module, *args, **kwargs)
-        self.store.stats.loads += 1
-        self.store.stats.seconds += time.perf_counter() - started
+        self.store.stats.add(self.layer_idx, time.perf_counter() - started)
         return result
 
 

@@ -9,6 +9,7 @@ from ..signals import signal_names
 from ..strategies import strategy_names
 from . import common
 from .common import CLIError
+from .bench_offload import add_offload_args, run_offload
 
 
 def add_parser(subparsers) -> None:
@@ -40,6 +41,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
     _add_random_model_args(parser)
     _add_sweep_args(parser)
+    add_offload_args(parser)
     common.add_prompt_args(parser, split="test")
     common.add_model_args(parser)
     common.add_twin_args(parser)
@@ -102,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     quant_config = common.twin_config(args)
     output = common.output_path(args, records.default_name("bench"))
     settings = (QUICK if args.quick else FULL).with_overrides(**vars(args))
+    if args.offload is not None:
+        return run_offload(args, quant_config, settings, output)
     if args.random_model is not None:
         return _run_random_model(args, quant_config, settings, output)
     prompt_set = common.load_prompts(args, settings.prompts_used)
