@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 from .cache import RiverCache
 from .layers import backbone_layers, river_layers, twins_prefill_faster
 from .lm_head import original_lm_head
+from .lossless import LosslessCache, lossless_generate_kwargs
 from .router import ExitRouter
 from .settings import RIVER_FIELDS, RiverSettings, river_field_defaults, river_fields_doc
 from .strategies import make_strategy
@@ -86,6 +87,8 @@ class RiverGenerationMixin:
         settings = river_settings_from(generation_config, kwargs, model_default=self.generation_config)
         if settings is not None:
             kwargs["cache"] = self._river_cache(settings, kwargs)
+            if settings.lossless:  # the river drafts, the backbone verifies (river_hf.lossless)
+                kwargs.update(lossless_generate_kwargs(settings, kwargs))
         return super().generate(inputs, generation_config=without_river_fields(generation_config), **kwargs)
 
     def save_pretrained(self, *args, **kwargs):
@@ -103,6 +106,8 @@ class RiverGenerationMixin:
                 f"`cache`: a river generate needs a `RiverCache` (it records each position's exit); got "
                 f"{type(user_cache).__name__}. Pass no cache and river_hf makes one."
             )
+        if user_cache is None and settings.lossless:
+            user_cache = LosslessCache(config=self.config.get_text_config(decoder=True))
         return new_river_cache(self, settings, kwargs.get("attention_mask"), cache=user_cache)
 
 

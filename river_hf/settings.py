@@ -20,6 +20,7 @@ from .strategies import strategy_names
 # suits Llama-3; on SmolLM2 it exits nearly every token after 2 layers.
 DEFAULT_TAU = 0.975
 PREFILL_EXITS = ("auto", "sequence", "none")
+DRAFT_HEURISTIC = "heuristic"  # num_draft_tokens: adapt the draft length to the acceptance
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,17 @@ class RiverSettings:
     signal_layer: int | None = field(default=None, metadata={"help": (
         "exit_signal='cosine_first' only: the depth (backbone layers run) of its one decision; default: the first "
         "eligible depth.")})
+    lossless: bool = field(default=False, metadata={"help": (
+        "Lossless mode (docs/lossless.md): the river, with its exit signal, drafts up to `num_draft_tokens` tokens, "
+        "the backbone verifies them in one forward pass and keeps the longest agreeing prefix plus its own next "
+        "token, in the one RiverCache. Greedy output equals the backbone's; sampling follows the backbone's "
+        "distribution (speculative sampling). Batch size 1, kv_strategy 'river'.")})
+    num_draft_tokens: int | str = field(default=4, metadata={"help": (
+        "lossless only: tokens the river drafts per verification, an int >= 1, or 'heuristic' (start at 4; +2 after "
+        "a fully accepted draft, -1 otherwise, as transformers' num_assistant_tokens_schedule='heuristic').")})
+    draft_fallback: bool = field(default=True, metadata={"help": (
+        "lossless only: measure drafting's cost per token during the call and decode on the plain backbone for the "
+        "rest of it once drafting is slower than the backbone's own steps (docs/lossless.md, 'The fallback').")})
 
     def __post_init__(self):
         _check_tau(self.tau)
@@ -68,6 +80,18 @@ class RiverSettings:
             if value is not None and not (is_int(value) and value >= 1):
                 raise ValueError(f"`{name}` must be None or an int >= 1 (a number of backbone layers); got {value!r}.")
         self._check_random_fields()
+        self._check_lossless_fields()
+
+    def _check_lossless_fields(self) -> None:
+        for name in ("lossless", "draft_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False; got {getattr(self, name)!r}.")
+        draft = self.num_draft_tokens
+        if not (draft == DRAFT_HEURISTIC or (is_int(draft) and draft >= 1)):
+            raise ValueError(f"`num_draft_tokens` must be an int >= 1 or {DRAFT_HEURISTIC!r}; got {draft!r}.")
+        if self.lossless and self.kv_strategy != "river":
+            raise ValueError(f"`lossless`=True drafts with the river's twins and crops the cache back, so it needs "
+                             f"`kv_strategy`='river'; got {self.kv_strategy!r}.")
 
     def _check_random_fields(self) -> None:
         if self.exit_signal == "random" and self.exit_rate is None:

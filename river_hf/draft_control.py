@@ -1,0 +1,127 @@
+"""How long to draft, and whether drafting pays: the lossless mode's measurements and its fallback rule.
+
+One `DraftControl` lives for one lossless `generate` call. It times every decode step with its clock (injectable:
+tests pass a fake one) and keeps the call's `DraftRecord`.
+
+The fallback rule (docs/lossless.md): the first `PROBE_STEPS` decode steps run on the plain backbone, and their
+median time is the backbone's cost per token, t_plain. Then the call drafts: each round costs its draft passes plus
+one verification pass and yields the kept drafts plus one backbone token. After at least `MIN_ROUNDS` rounds, while
+the rounds so far cost more per token than t_plain (sum of round times / tokens they yielded > t_plain), drafting does
+not pay on this machine for this text: the rest of the call decodes on the plain backbone. What that rule can lose is
+bounded by the MIN_ROUNDS rounds it measures (a few tokens of a long answer); after the fallback every step is a
+plain backbone step, whose output is the backbone's by construction.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from .settings import DRAFT_HEURISTIC
+
+PROBE_STEPS = 3  # plain backbone steps that measure t_plain before the first draft
+MIN_ROUNDS = 2  # draft rounds measured before the fallback may engage
+HEURISTIC_START, HEURISTIC_MAX = 4, 16
+BACKBONE_CHOSE = -1  # DraftRecord.draft_depth of a token the backbone chose itself
+
+
+@dataclass
+class DraftRound:
+    """One draft-and-verify round."""
+
+    drafted: int  # tokens the river drafted
+    accepted: int  # of them, kept by the backbone
+    committed: int  # tokens appended (kept drafts + the backbone's own, fewer where a stopping criterion ended it)
+    draft_seconds: float
+    verify_seconds: float
+
+
+@dataclass
+class DraftRecord:
+    """What a lossless call did. `draft_depth[i]` for the i-th generated token: the exit depth of the river pass
+    that drafted it when the backbone kept the draft (num_layers: that pass never left the backbone), or -1 when the
+    backbone chose the token itself (the prompt's first token, plain steps, the token after each verification).
+    Every cached position holds the backbone's K/V, so the cache's own exit record says num_layers everywhere."""
+
+    num_layers: int
+    draft_depth: list[int] = field(default_factory=list)
+    rounds: list[DraftRound] = field(default_factory=list)
+    plain_steps: int = 0
+    plain_seconds: float = 0.0
+    fell_back_at: int | None = None  # generated tokens when the fallback engaged; None: it never did
+
+    @property
+    def drafted(self) -> int:
+        return sum(r.drafted for r in self.rounds)
+
+    @property
+    def accepted(self) -> int:
+        return sum(r.accepted for r in self.rounds)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def backbone_passes(self) -> int:
+        """Forward passes that ran the whole backbone: the prefill, plain steps and verifications."""
+        return 1 + self.plain_steps + len(self.rounds)
+
+    @property
+    def tokens_per_backbone_pass(self) -> float:
+        return len(self.draft_depth) / self.backbone_passes  # 1.0 for plain decoding
+
+    def summary(self) -> dict:
+        """Counts, rates and the split of the decode time (seconds): drafting, verification, plain steps."""
+        draft_s = sum(r.draft_seconds for r in self.rounds)
+        # drafts the backbone threw away, priced at the mean draft pass of their round
+        rejected_s = sum(r.draft_seconds * (r.drafted - r.accepted) / r.drafted for r in self.rounds if r.drafted)
+        return {"new_tokens": len(self.draft_depth), "rounds": len(self.rounds), "drafted": self.drafted,
+                "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
+                "backbone_passes": self.backbone_passes, "tokens_per_backbone_pass": self.tokens_per_backbone_pass,
+                "plain_steps": self.plain_steps, "fell_back_at": self.fell_back_at, "draft_seconds": draft_s,
+                "verify_seconds": sum(r.verify_seconds for r in self.rounds), "rejected_draft_seconds": rejected_s,
+                "plain_seconds": self.plain_seconds}
+
+
+class DraftControl:
+    """The draft length of the next round (0: a plain backbone step) and the fallback rule, from timed steps."""
+
+    def __init__(self, num_draft_tokens, fallback: bool, record: DraftRecord, clock=time.perf_counter):
+        self.heuristic = num_draft_tokens == DRAFT_HEURISTIC
+        self.length = HEURISTIC_START if self.heuristic else int(num_draft_tokens)
+        self.fallback = fallback
+        self.record = record
+        self.clock = clock
+        self.plain_times: list[float] = []  # seconds of each plain step
+
+    def draft_length(self, budget: int) -> int:
+        """Tokens to draft next, given that at most `budget` tokens may still be generated (a round appends up to
+        drafts + 1); 0 = take a plain backbone step."""
+        probing = self.fallback and len(self.plain_times) < PROBE_STEPS
+        if probing or self.record.fell_back_at is not None:
+            return 0
+        return max(0, min(self.length, budget - 1))
+
+    def plain_step_done(self, seconds: float) -> None:
+        self.plain_times.append(seconds)
+        self.record.plain_steps += 1
+        self.record.plain_seconds += seconds
+
+    def round_done(self, draft_round: DraftRound) -> None:
+        self.record.rounds.append(draft_round)
+        if self.heuristic:  # transformers' schedule: longer after a full accept, shorter after a rejection
+            full = draft_round.accepted == draft_round.drafted
+            self.length = min(self.length + 2, HEURISTIC_MAX) if full else max(self.length - 1, 1)
+        if self.fallback and self.record.fell_back_at is None and not self.drafting_pays():
+            self.record.fell_back_at = len(self.record.draft_depth)
+
+    def drafting_pays(self) -> bool:
+        """The fallback rule: after MIN_ROUNDS rounds, drafting pays while its rounds cost at most t_plain per token."""
+        rounds = self.record.rounds
+        if len(rounds) < MIN_ROUNDS or not self.plain_times:
+            return True
+        seconds = sum(r.draft_seconds + r.verify_seconds for r in rounds)
+        tokens = sum(r.committed for r in rounds)
+        return seconds / max(tokens, 1) <= statistics.median(self.plain_times)
