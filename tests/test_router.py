@@ -7,7 +7,7 @@ import torch
 
 from river_hf import RiverSettings
 from river_hf.router import ExitRouter
-from river_hf.signals import batch_passes, sequence_similarity, token_similarity
+from river_hf.signals import batch_passes, min_token_cosine, sequence_similarity, token_similarity
 from river_hf.signals import Cosine, CosineAtOneLayer, RandomExit, UpdateNorm
 
 from conftest import run_step, states_with_cosines
@@ -16,6 +16,20 @@ from conftest import run_step, states_with_cosines
 def test_token_similarity_is_the_cosine_of_the_last_position():
     h_in, h_out = states_with_cosines([0.2, 0.9])
     assert torch.allclose(token_similarity(h_in, h_out), torch.tensor([0.2, 0.9]), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fast_decode_cosine_is_the_batch_minimum_of_the_cosine(dtype):
+    generator = torch.Generator().manual_seed(0)
+    h_in = torch.randn(3, 1, 64, generator=generator).to(dtype)
+    h_out = (h_in.float() + torch.randn(3, 1, 64, generator=generator) * torch.tensor([0.1, 2.0, 0.5])[:, None, None])
+    h_out = h_out.to(dtype)
+    cosines = token_similarity(h_in, h_out)
+    assert min_token_cosine(h_in, h_out) == pytest.approx(cosines.min().item(), abs=1e-6)
+    assert min_token_cosine(h_in[:1], h_out[:1]) == pytest.approx(cosines[0].item(), abs=1e-6)
+    longer = torch.cat([torch.zeros_like(h_in), h_in], dim=1), torch.cat([h_out, h_out], dim=1)
+    assert min_token_cosine(*longer) == pytest.approx(cosines.min().item(), abs=1e-6)  # the last position only
+    assert min_token_cosine(torch.zeros_like(h_in), h_out) == 0.0  # a zero vector scores 0, like F.cosine_similarity
 
 
 def test_sequence_similarity_ignores_padding():
@@ -71,10 +85,12 @@ def test_the_router_asks_the_signal_its_settings_name():
 
 
 def test_a_cosine_decision_reads_the_host_once(monkeypatch):
-    """The cosine runs after every layer of every decoded token: one host read (`.item()`) per decision."""
+    """The cosine runs after every layer of every decoded token: one host read (`.item()` / `.tolist()`) per
+    decision."""
     reads = []
-    item = torch.Tensor.item
+    item, tolist = torch.Tensor.item, torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(1) or item(self))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
     router = ExitRouter(RiverSettings(tau=0.9), start_layer=1, num_layers=5)
     assert run_step(router, [[0.1, 0.2], [0.95, 0.5], [0.95, 0.93], [0.99, 0.99]]) == 3
     assert len(reads) == 3  # depths 1, 2, 3
