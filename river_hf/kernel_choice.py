@@ -115,7 +115,7 @@ def _time_candidates(names: list[str], nbits: int, group_size: int | None, out_f
                      device: torch.device, rows: int) -> dict[str, float]:
     """name -> median µs per call of x [rows, K] (bf16 in, bf16 out) times the weight, interleaved; rows=1 is a
     decode GEMV, timed cache-cold."""
-    copies = None if rows == 1 else 2  # a prompt-sized matmul is compute-bound: the cache does not matter
+    copies = None if rows == 1 else 1  # a prompt-sized matmul is compute-bound: the cache does not matter
     layers = {name: _copies(name, nbits, _kernel_group(name, group_size), out_features, in_features, device, copies)
               for name in names}
     x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
@@ -144,16 +144,19 @@ def _time_round(name: str, copies: list, x: torch.Tensor) -> float:
 
 def _copies(name: str, nbits: int, group_size: int | None, out_features: int, in_features: int, device,
             count: int | None = None) -> list:
-    """Packed random weights for kernel `name`, enough of them to overflow the last-level cache twice."""
+    """Packed random weights for kernel `name`, enough of them to overflow the last-level cache twice (one, when a
+    weight alone does: an LM head then costs its own bytes once per candidate, not several times)."""
     groups = in_features // group_size if group_size else 1
     codes = torch.randint(0, 2 ** nbits, (out_features, in_features), dtype=torch.uint8, device=device)
     scale = torch.rand(out_features, groups, device=device) * 0.01 + 1e-3
     zero = torch.full((out_features, groups), 2.0 ** (nbits - 1), device=device)
     buffers = KERNELS[name].pack(codes, scale, zero, group_size, nbits)
     nbytes = sum(t.numel() * t.element_size() for t in buffers.values())
-    count = count or max(2, min(MAX_COPIES, -(-2 * _cache_bytes() // max(nbytes, 1))))
+    del codes, scale, zero
+    count = count or max(1, min(MAX_COPIES, -(-2 * _cache_bytes() // max(nbytes, 1))))
     kernel_group = int4_kernel_group(in_features, group_size) if "scales_and_zeros" in buffers else None
-    return [{"buffers": {key: t.clone() for key, t in buffers.items()}, "group": kernel_group} for _ in range(count)]
+    clones = [{key: t.clone() for key, t in buffers.items()} for _ in range(count - 1)]
+    return [{"buffers": copy, "group": kernel_group} for copy in [buffers, *clones]]
 
 
 def _cache_bytes() -> int:

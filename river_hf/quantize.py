@@ -15,6 +15,8 @@ quantized per row to begin with (no warning).
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from hqq.core.quantize import Quantizer
@@ -31,12 +33,30 @@ BACKENDS = ("auto", "fastest", *KERNELS)
 # ---------------------------------------------------------------- HQQ quantization (step 1: codes + scale/zero)
 
 
+# False inside `plain_rounding()`: HQQ skips its optimizer (per thread, like every per-call state in river_hf)
+_HQQ_OPTIMIZE: ContextVar[bool] = ContextVar("river_hf_hqq_optimize", default=True)
+
+
+@contextmanager
+def plain_rounding():
+    """Inside the block, twins are quantized without HQQ's optimizer: min-max rounding per group. The kernels, the
+    packed layouts and the bytes are exactly those of optimized twins, only the codes' values differ, and a build
+    takes seconds instead of half an hour at the 3B shape on 2 CPU cores. For speed and memory measurements on
+    random weights (`bench --random-model`), where fidelity means nothing; never for a river that is used."""
+    token = _HQQ_OPTIMIZE.set(False)
+    try:
+        yield
+    finally:
+        _HQQ_OPTIMIZE.reset(token)
+
+
 @torch.no_grad()
 def _hqq_quantize(weight: torch.Tensor, nbits: int, group_size: int | None):
     """weight: [N, K] -> codes uint8 [N, K] in 0..2^nbits-1, scale and zero float32 [N, G] (G = K // group_size)."""
     # bitpack=False keeps one code per element; axis=1 makes the groups consecutive runs inside a row, the layout
     # every kernel here expects.
-    w_q, meta = Quantizer.quantize(weight.detach().float(), nbits=nbits, group_size=group_size, optimize=True,
+    w_q, meta = Quantizer.quantize(weight.detach().float(), nbits=nbits, group_size=group_size,
+                                   optimize=_HQQ_OPTIMIZE.get(),
                                    axis=1, bitpack=False, compute_dtype=torch.float32, device=weight.device)
     rows = weight.shape[0]
     codes = w_q.reshape(weight.shape).to(torch.uint8)

@@ -73,6 +73,7 @@ def test_random_model_record_has_speed_memory_bytes_and_no_fidelity(scaling_run)
     assert by_name["backbone"]["summary"]["byte_ratio"] == 1.0
     assert record["twins"]["nbits"] == 4 and record["twins"]["quantize_lm_head"]
     assert record["random_model"]["twin_builds"]["8-bit"]["nbits"] == 8
+    assert record["random_model"]["hqq_optimizer"] is False  # plain rounding: speed and bytes only
 
 
 def test_every_record_names_the_machine(scaling_run):

@@ -18,6 +18,7 @@ from river_hf.quantize import (
     SUPPORTED_GROUP_SIZES,
     SUPPORTED_NBITS,
     RiverQuantLinear,
+    plain_rounding,
     resolve_backend,
 )
 
@@ -49,9 +50,9 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
-def hqq_reference(weight: torch.Tensor, nbits: int, group_size: int | None):
+def hqq_reference(weight: torch.Tensor, nbits: int, group_size: int | None, optimize: bool = True):
     """HQQ's own quantize + dequantize, independent of river_hf: (codes [N, K], scale [N, G], zero [N, G], W)."""
-    w_q, meta = Quantizer.quantize(weight.detach(), nbits=nbits, group_size=group_size, optimize=True, axis=1,
+    w_q, meta = Quantizer.quantize(weight.detach(), nbits=nbits, group_size=group_size, optimize=optimize, axis=1,
                                    bitpack=False, device="cpu")
     deq = Quantizer.dequantize(w_q, {**meta, "compute_dtype": torch.float32})
     rows = weight.shape[0]
@@ -104,6 +105,18 @@ def test_dequantized_weight_is_hqqs_weight():
     wide = make_linear(in_features=2304, out_features=32, bias=False)  # int4 codes are read back 1024 columns a time
     twin = RiverQuantLinear.from_linear(wide, nbits=4, group_size=128)
     torch.testing.assert_close(twin.dequantized_weight(), hqq_reference(wide.weight, 4, 128)[-1], rtol=0, atol=0)
+
+
+def test_plain_rounding_skips_hqqs_optimizer_inside_the_block_only():
+    linear = make_linear(bias=False)
+    with plain_rounding():
+        plain = RiverQuantLinear.from_linear(linear, nbits=4, group_size=64)
+    optimized = RiverQuantLinear.from_linear(linear, nbits=4, group_size=64)
+    torch.testing.assert_close(plain.dequantized_weight(), hqq_reference(linear.weight, 4, 64, optimize=False)[-1],
+                               rtol=0, atol=0)
+    torch.testing.assert_close(optimized.dequantized_weight(), hqq_reference(linear.weight, 4, 64)[-1], rtol=0, atol=0)
+    assert not torch.equal(plain.dequantized_weight(), optimized.dequantized_weight())
+    assert {name: t.shape for name, t in plain.named_buffers()} == {n: t.shape for n, t in optimized.named_buffers()}
 
 
 @pytest.mark.parametrize("nbits, group_size", [(4, 64), (4, 32), (4, None), (3, 64), (2, 128), (8, None)])

@@ -1,6 +1,8 @@
 """`river-hf bench --random-model NAME`: speed, memory and weight bytes of a random-initialised Llama shape
 (`shapes.py`), no download and no fidelity (random weights), for the speed-vs-parameters plot.
 
+The twins are quantized by plain min-max rounding (`quantize.plain_rounding`): on random weights HQQ's optimizer
+would only change code values nobody reads, and it takes half an hour at the 3B shape on 2 cores.
 Every system runs in ONE process, interleaved after warm-up, against the same backbone. Two twin precisions need two
 river builds, so they are built one after the other on the same backbone: the 8-bit twins first, kept alive by
 static full-quantization models (`systems.static_full_quant` copies only module containers: they share the
@@ -21,6 +23,7 @@ from ..config import RiverQuantConfig
 from ..generation import RiverConfig
 from ..lm_head import river_lm_head
 from ..patching import build_river, remove_river
+from ..quantize import plain_rounding
 from .run import BenchSettings, environment, finish_record, peak_rss_bytes, run_bench
 from .shapes import PROMPT_LENGTH, SHAPES, random_model, random_prompts
 from .systems import (
@@ -101,7 +104,8 @@ def bench_random_model(name: str, settings: BenchSettings, quant: RiverQuantConf
     model = random_model(name, seed=seed, device=device)
     parameters = model.num_parameters()
     stages: dict[str, int] = {}
-    systems = scaling_systems(model, quant, settings.max_new_tokens, exit_rates, seed, build, stages, twin_bits)
+    with plain_rounding():  # random weights: HQQ's optimizer would change codes nobody reads, for minutes
+        systems = scaling_systems(model, quant, settings.max_new_tokens, exit_rates, seed, build, stages, twin_bits)
     prompts = random_prompts(model.config.vocab_size, settings.prompts, prompt_length, seed, device)
     record = run_bench(model, prompts, settings, systems, fidelity=False)
     texts = [f"{prompt_length} random token ids (seed {seed}, prompt {idx})" for idx in range(settings.prompts)]
@@ -110,5 +114,6 @@ def bench_random_model(name: str, settings: BenchSettings, quant: RiverQuantConf
     record["fidelity"] = NOT_MEASURED
     record["random_model"] = {"name": name, "shape": SHAPES[name], "parameters": parameters,
                               "prompt_length": prompt_length, "seed": seed, "peak_rss_after_bytes": stages,
+                              "hqq_optimizer": False,  # plain_rounding: same kernels and bytes, faster builds
                               "twin_builds": {label: config.to_dict() for label, config in twin_configs(quant, twin_bits).items()}}
     return record
