@@ -12,6 +12,8 @@ from .generation import RiverConfig, RiverGenerationMixin
 from .hf_integration import register_with_transformers
 from .layers import RiverLayer, river_layers
 from .lm_head import RiverLMHead
+from .lossless import LosslessCache
+from .draft_control import DraftRecord
 from .offload import offload_backbone, offloaded_layers, reload_backbone
 from .offload_choice import exit_depth_histogram
 from .patching import build_river, is_river, remove_river
@@ -21,7 +23,9 @@ from .signals import ExitSignal, register_signal, unregister_signal
 register_with_transformers()
 
 __all__ = [
+    "DraftRecord",
     "KVIntegrityError",
+    "LosslessCache",
     "RiverCache",
     "RiverConfig",
     "RiverGenerationMixin",

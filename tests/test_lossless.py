@@ -296,3 +296,40 @@ def test_bad_calls_name_the_field(prompt):
     config = RiverConfig(lossless=True, max_new_tokens=3)
     with pytest.raises(ValueError, match="`cache`: lossless mode runs on the LosslessCache"):
         model.generate(prompt, generation_config=config, cache=RiverCache(config=model.config))
+
+
+# ---- the command line ---------------------------------------------------------------------------------------------
+def test_generate_and_bench_take_lossless(tmp_path, capsys):
+    import json
+
+    from river_hf.cli import main
+
+    from conftest import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "tiny")
+    assert main(["generate", "what is two plus three?", "--model", model_dir, "--max-new-tokens", "6",
+                 "--lossless", "2", "--tau", "-1", "--backend", "auto"]) == 0
+    assert "lossless: " in capsys.readouterr().out
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"question": "what is two plus three?"}) + "\n")
+    output = tmp_path / "lossless.json"
+    assert main(["bench", "--model", model_dir, "--data", str(data), "--lossless", "2", "heuristic", "--taus", "-1",
+                 "--prompts", "1", "--rounds", "1", "--max-new-tokens", "8", "--backend", "auto",
+                 "--output", str(output)]) == 0
+    record = json.loads(output.read_text())
+    names = [system["name"] for system in record["systems"]]
+    assert names == ["backbone", "lossless k=2 cosine tau=-1", "lossless k=2 cosine tau=-1 (no fallback)",
+                     "lossless k=heuristic cosine tau=-1", "lossless k=heuristic cosine tau=-1 (no fallback)"]
+    for system in record["systems"]:
+        assert system["summary"]["match"] == 1.0
+    no_fallback = record["systems"][2]["summary"]
+    assert no_fallback["runs_fell_back"] == 0 and no_fallback["tokens_per_backbone_pass"] >= 1.0
+    assert "| lossless k=2 cosine tau=-1 |" in capsys.readouterr().out
+
+
+def test_generate_refuses_lossless_without_the_river(capsys):
+    from river_hf.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--lossless", "0"])
+    assert "--lossless: expected an int >= 1" in capsys.readouterr().err

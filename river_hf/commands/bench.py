@@ -10,6 +10,7 @@ from ..strategies import strategy_names
 from . import common
 from .common import CLIError
 from .bench_offload import add_offload_args, run_offload
+from .generate import draft_length_arg
 
 
 def add_parser(subparsers) -> None:
@@ -42,6 +43,7 @@ def add_parser(subparsers) -> None:
     _add_random_model_args(parser)
     _add_sweep_args(parser)
     add_offload_args(parser)
+    _add_lossless_args(parser)
     common.add_prompt_args(parser, split="test")
     common.add_model_args(parser)
     common.add_twin_args(parser)
@@ -94,6 +96,50 @@ def _add_sweep_args(parser: argparse.ArgumentParser) -> None:
                                  "and 75%% quantiles of the model's layer similarities).")
 
 
+def _add_lossless_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("lossless mode (docs/lossless.md)")
+    group.add_argument("--lossless", nargs="+", type=draft_length_arg, default=None, metavar="K",
+                       help="Instead of the tau sweep: the backbone and the lossless mode drafting K tokens per "
+                            "verification (an int, or 'heuristic'), with and without its fallback, for each exit "
+                            "signal in --signals at each of --signal-taus (default: cosine at --taus, else the "
+                            "default tau). Reports speed ratio, match with the backbone, acceptance, tokens per "
+                            "backbone pass, fallbacks and the time split.")
+
+
+def _lossless_signal_taus(args: argparse.Namespace) -> list[tuple[str, float]]:
+    from ..settings import DEFAULT_TAU
+
+    if args.signals:
+        if not args.signal_taus:
+            raise CLIError("--lossless with --signals needs --signal-taus (the taus of those signals).")
+        return [(signal, tau) for signal in args.signals for tau in args.signal_taus]
+    return [("cosine", tau) for tau in (args.taus or [DEFAULT_TAU])]
+
+
+def _run_lossless(args: argparse.Namespace, quant_config, settings, output) -> int:
+    from ..bench import records
+    from ..bench.lossless import bench_lossless, lossless_systems, markdown_table
+    from ..bench.run import environment
+
+    if args.random_model is not None or args.strategies:
+        raise CLIError("--lossless runs its own systems: no --random-model or --strategies with it.")
+    signal_taus = _lossless_signal_taus(args)
+    prompt_set = common.load_prompts(args, settings.prompts)
+    model_id, started = common.model_id(args), environment()
+    model, tokenizer = common.load(args)
+    model = common.build(model, quant_config)
+    systems = lossless_systems(args.lossless, signal_taus, settings.max_new_tokens)
+    record = bench_lossless(model, tokenizer, prompt_set.prompts[:settings.prompts], systems, settings.rounds)
+    record.update(model={"id": model_id, "device": str(model.device), "dtype": "bfloat16"},
+                  prompts={"source": prompt_set.source, "texts": prompt_set.prompts[:settings.prompts]},
+                  environment={**started, "load_average_after": environment()["load_average"]},
+                  arguments=common.arguments(args))
+    output = records.write_record(record, output)
+    print(markdown_table(record))
+    print(f"\nrecord: {output}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from ..bench import records, report
     from ..bench.run import FULL, QUICK, bench, environment
@@ -104,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
     quant_config = common.twin_config(args)
     output = common.output_path(args, records.default_name("bench"))
     settings = (QUICK if args.quick else FULL).with_overrides(**vars(args))
+    if args.lossless is not None:
+        return _run_lossless(args, quant_config, settings, output)
     if args.offload is not None:
         return run_offload(args, quant_config, settings, output)
     if args.random_model is not None:

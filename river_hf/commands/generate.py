@@ -15,6 +15,7 @@ from ..bench.speed import TokenClock
 from ..config import bits_label
 from ..display import GenerationStats, render_exits, token_exit_depths
 from ..models import build_chat_inputs
+from ..settings import DRAFT_HEURISTIC
 from . import common
 from .common import CLIError
 
@@ -38,16 +39,37 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--show-exits", action="store_true",
                         help="Afterwards, print the answer again with each token coloured by its exit depth "
                              "(set NO_COLOR for plain text with the depth after each token).")
+    parser.add_argument("--lossless", nargs="?", const=4, default=None, type=draft_length_arg, metavar="K",
+                        help="Lossless mode: the river drafts K tokens (default 4; 'heuristic' adapts K), the "
+                             "backbone verifies them, so the answer is the backbone's own; it falls back to plain "
+                             "decoding where drafting does not pay (docs/lossless.md).")
     common.add_model_args(parser)
     common.add_river_args(parser, RIVER_FLAGS)
     parser.set_defaults(run=run, subparser=parser)
 
 
+def draft_length_arg(text) -> int | str:
+    """--lossless K: an int >= 1 or 'heuristic'."""
+    if text == DRAFT_HEURISTIC or isinstance(text, int):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 or {DRAFT_HEURISTIC!r}, got {text!r}")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     if args.show_exits and args.no_river:
         raise CLIError("--show-exits needs the river: it has no exits to show with --no-river.")
+    if args.lossless is not None and args.no_river:
+        raise CLIError("--lossless drafts with the river: it cannot run with --no-river.")
+    lossless = {} if args.lossless is None else {"lossless": True, "num_draft_tokens": args.lossless}
     quant_config, generation_config = common.river_configs(args, max_new_tokens=args.max_new_tokens,
-                                                           do_sample=args.sample, return_dict_in_generate=True)
+                                                           do_sample=args.sample, return_dict_in_generate=True,
+                                                           **lossless)
     model, tokenizer = common.load(args)
     if quant_config is not None:
         model = common.build(model, quant_config)
@@ -64,7 +86,18 @@ def run(args: argparse.Namespace) -> int:
         f"tau {args.tau:g}, {bits_label(quant_config.nbits)}-bit twins, group {quant_config.group_size}, "
         f"from layer {quant_config.start_layer}")
     print(stats.summary_line(river))
+    drafts = getattr(out.cache, "drafts", None)
+    if drafts is not None:
+        print(lossless_line(drafts.summary()))
     if args.show_exits:
         print(render_exits(tokenizer, new_ids, depths, quant_config.start_layer, stats.num_layers,
                            color=not os.environ.get("NO_COLOR")))
     return 0
+
+
+def lossless_line(summary: dict) -> str:
+    """One line on a lossless call: acceptance, tokens per backbone pass, whether it fell back."""
+    fallback = ("drafting paid: no fallback" if summary["fell_back_at"] is None
+                else f"fell back to plain decoding after {summary['fell_back_at']} tokens (drafting did not pay)")
+    return (f"lossless: {summary['accepted']}/{summary['drafted']} drafts kept, "
+            f"{summary['tokens_per_backbone_pass']:.2f} tokens per backbone pass, {fallback}")
