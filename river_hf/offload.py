@@ -16,7 +16,8 @@ Only modules none of whose own tensors the twin shares are offloaded: a twin is 
 shares every non-linear parameter (norms, `skip_modules` linears) with it, and those must stay where they are, the
 same Parameter objects, so the twin computes exactly what it did. In practice: the backbone's nn.Linear weights.
 `model.hf_device_map` names the offloaded modules ("disk" / "cpu"), which is how transformers' `save_pretrained`
-knows to read them back (`load_offloaded_parameter`), and what stops `model.to(...)` and compilation.
+knows to read them back (`load_offloaded_parameter`), and why generate does not compile an offloaded model.
+Not thread-safe: the hooks swap a module's weights in and out, so run one generate at a time on an offloaded model.
 """
 
 from __future__ import annotations
@@ -265,7 +266,7 @@ def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 def _mark_device_map(model: nn.Module, store: OffloadStore, names: list[str]) -> None:
     """`hf_device_map` is transformers' record of where modules live: with "disk"/"cpu" entries, save_pretrained
-    reads the offloaded weights back from the hooks and model.to()/compilation are refused."""
+    reads the offloaded weights back from the hooks, and generate does not compile the model."""
     store.previous_device_map = getattr(model, "hf_device_map", None)
     base = dict(store.previous_device_map) if store.previous_device_map else {"": str(store.device)}
     model.hf_device_map = {**base, **{name: store.to for name in names}}
