@@ -7,8 +7,9 @@ prepares the inputs, logits processors, stopping criteria, max_length and the ca
 
 1. draft: up to k river passes (one token each, the exit signal deciding as in a river generate) propose k tokens;
 2. crop the cache back by those k positions (`RiverCache.crop` keeps the exit record aligned);
-3. verify: one backbone pass over the last committed token and the k drafts writes their K/V (the router is told not
-   to exit: `min_depth = num_layers` for that pass) and gives k + 1 next-token distributions;
+3. verify: one backbone pass over the last committed token and the k drafts writes their K/V (the cache's router is
+   set aside for that pass, so every layer runs its backbone layer as in plain generate; the positions are recorded
+   at depth num_layers) and gives k + 1 next-token distributions;
 4. keep the longest agreeing prefix plus the backbone's own next token (`river_hf.acceptance`), feed them to the
    stopping criteria and the streamer one by one, and crop the positions of the rejected drafts.
 
@@ -87,14 +88,17 @@ def _check_call(input_ids, generation_config, cache, model_kwargs) -> None:
 
 
 @contextmanager
-def backbone_pass(router):
-    """The passes inside the block run the whole backbone: the router's rules allow no exit before num_layers."""
-    saved = router.min_depth
-    router.min_depth = router.num_layers
+def backbone_pass(cache: RiverCache, num_tokens: int, device):
+    """The pass inside the block is a plain backbone pass writing into the same cache: without its router the
+    layers run their backbone layer directly (no dispatch, no signal, the original LM head), as plain generate does;
+    its positions are recorded at depth num_layers afterwards."""
+    router = cache.router
+    cache.router = None
     try:
         yield
     finally:
-        router.min_depth = saved
+        cache.router = router
+    cache.record_step(cache.num_layers, 1, num_tokens, device)
 
 
 class _Decoder:
@@ -115,10 +119,11 @@ class _Decoder:
     # ---- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> None:
         self.cache.activate_past_recording()  # sliding-window layers keep what a crop may need to restore
-        with backbone_pass(self.router):
+        with backbone_pass(self.cache, self.ids.shape[1], self.ids.device):
             outputs = self.model._prefill(self.ids, self.config, self.model_kwargs)
         self.cache.crop(0)  # sliding-window layers: back to their window
         logits = outputs.logits[:, -1:].float()
+        self._show_signal(logits)
         self._commit(*self._backbone_token(logits), [BACKBONE_CHOSE])
         while not self.finished:
             k = self.control.draft_length(self.config.max_length - self.ids.shape[1])
@@ -128,8 +133,9 @@ class _Decoder:
 
     def _plain_step(self) -> None:
         started = self.control.clock()
-        with backbone_pass(self.router):
+        with backbone_pass(self.cache, 1, self.ids.device):
             logits = self._forward(self.ids, 1).logits[:, -1:].float()
+        self._show_signal(logits)
         self._commit(*self._backbone_token(logits), [BACKBONE_CHOSE])
         self.control.plain_step_done(self.control.clock() - started)
 
@@ -138,7 +144,7 @@ class _Decoder:
         drafts, draft_probs, depths = self._draft(k)
         drafted = self.control.clock()
         self.cache.crop(-len(drafts))  # the drafted positions: the backbone writes them again
-        with backbone_pass(self.router):
+        with backbone_pass(self.cache, len(drafts) + 1, self.ids.device):
             logits = self._forward(torch.cat([self.ids, drafts[None]], dim=1), len(drafts) + 1).logits
         logits = logits[:, -(len(drafts) + 1):].float()  # [1, k + 1, V]
         scores = self._processed(logits, drafts)
@@ -223,8 +229,9 @@ class _Decoder:
         return count
 
     def _show_signal(self, logits: torch.Tensor) -> None:
-        """A signal that reads the previous pass's logits (confidence) must see those that chose the last committed
-        token, not the verification pass's last position."""
+        """A signal that reads the previous pass's logits (confidence) sees those that chose the last committed
+        token (a backbone pass has no router, so `passes.end_pass` hands it nothing; after a verification these are
+        the logits of the last kept position, not of the pass's last one)."""
         signal = self.router.signal
         if signal.needs_logits:
             signal.observe_logits(logits)

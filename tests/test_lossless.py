@@ -78,7 +78,7 @@ def test_greedy_equals_backbone_for_other_exit_patterns(settings, prompt):
 
 
 def test_scripted_exits_and_the_draft_record(prompt, scripted_exits):
-    plan = [2, 4, 6, 3, 2, 5] * 6  # per one-token pass (the verifications are prefill-like: never exit)
+    plan = [2, 4, 6, 3, 2, 5] * 6  # per draft pass (backbone passes run without the router)
     model, reference = backbone_and_river("qwen2", prompt, new_tokens=20)
     out = lossless(model, prompt, k=3, max_new_tokens=20, exit_signal=scripted_exits(plan), tau=0.5)
     assert torch.equal(out.sequences, reference.sequences)

@@ -82,11 +82,20 @@ def system_summary(runs: list[dict], base_rate: float, references: dict[int, lis
     rate = statistics.median(run["decode_tokens_per_s"] for run in runs)
     same = sum(a == b for run in runs for a, b in zip(run["token_ids"], references[run["prompt"]]))
     total = sum(len(references[run["prompt"]]) for run in runs)
-    summary = {"decode_tokens_per_s": rate, "speed_ratio": rate / base_rate, "match": same / total}
+    agreeing = [agreeing_prefix(run["token_ids"], references[run["prompt"]]) for run in runs]
+    summary = {"decode_tokens_per_s": rate, "speed_ratio": rate / base_rate, "match": same / total,
+               "identical_runs": sum(n == len(references[run["prompt"]]) for n, run in zip(agreeing, runs)),
+               "first_divergence": [None if n == len(references[run["prompt"]]) else n
+                                    for n, run in zip(agreeing, runs)]}
     drafts = [run["drafts"] for run in runs if run["drafts"] is not None]
     if drafts:
         summary.update(draft_summary(drafts))
     return summary
+
+
+def agreeing_prefix(tokens: list[int], reference: list[int]) -> int:
+    """How many leading tokens equal the reference's."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
 
 
 def draft_summary(drafts: list[dict]) -> dict:
@@ -116,6 +125,7 @@ def markdown_table(record: dict) -> str:
                       f"{s['rejected_draft_ms_per_token']:.1f} / {s['plain_ms_per_token']:.1f}")
         else:
             drafts = "- | 1.00 | - | -"
+        match = f"{s['match']:.1%} ({s['identical_runs']}/{len(system['runs'])} runs identical)"
         lines.append(f"| {system['name']} | {s['decode_tokens_per_s']:.1f} | {s['speed_ratio']:.3f}x | "
-                     f"{s['match']:.1%} | {drafts} |")
+                     f"{match} | {drafts} |")
     return "\n".join(lines)
