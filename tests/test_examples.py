@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -25,3 +27,23 @@ def test_quickstart(saved_tiny_model, capsys):
 def test_pipeline_example(saved_tiny_model):
     result = load_example("pipeline_example").main(["--model", str(saved_tiny_model), "--max-new-tokens", "4"])
     assert result[0]["generated_text"].startswith("Three words")
+
+
+def test_backbone_dtype_example_times_both_dtypes(saved_tiny_model, capsys):
+    results = load_example("backbone_dtype").main(["--model", str(saved_tiny_model), "--prompts", "1", "--rounds",
+                                                   "1", "--max-new-tokens", "3"])
+    assert set(results) == {"bfloat16", "float32"}
+    assert all(r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0 for r in results.values())
+    assert "| bfloat16 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # torch.compile takes ~10-20 s on 2 cores
+def test_compile_example_times_eager_and_compiled_layer_parts(saved_tiny_model):
+    import torch
+
+    example = load_example("compile_twins")
+    results = example.main(["--model", str(saved_tiny_model), "--parts", "norms", "--rounds", "1",
+                            "--max-new-tokens", "2"])
+    assert set(results) == {"backbone eager", "backbone compiled", "full-quant eager", "full-quant compiled"}
+    assert all(r["ms_per_token"] > 0 for r in results.values())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # something was really compiled

@@ -10,6 +10,8 @@ pages, e.g. libraries and memory-mapped weights; VmRSS: their total with shared 
 
 from __future__ import annotations
 
+import contextlib
+
 import ctypes
 import gc
 import json
@@ -24,6 +26,7 @@ from ..generation import RiverConfig
 from ..models import load_model_and_tokenizer
 from ..offload import offload_backbone, weight_residency
 from ..patching import build_river
+from ..quantize import plain_rounding
 from .shapes import random_model
 from .systems import fixed_length, static_full_quant
 
@@ -83,7 +86,9 @@ def load_system(job: dict):
                                             device=spec["device"])
     if system == "backbone":
         return model, GenerationConfig(**fixed)
-    build_river(model, RiverQuantConfig.from_dict(spec["quant"]), progress=False)
+    # random weights: the same plain rounding as the parent's build (same kernels and bytes, seconds not minutes)
+    with plain_rounding() if spec["random_model"] else contextlib.nullcontext():
+        build_river(model, RiverQuantConfig.from_dict(spec["quant"]), progress=False)
     if system == "static-full-quant":  # the twins as plain layers: the river model, and with it the backbone
         return static_full_quant(model), GenerationConfig(**fixed)  # layers they replace, is freed on return
     if system == "river+offload" and job["offload"]["layers"]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import argparse
 from dataclasses import replace
 
 from ..config import DEFAULT_OFFLOAD_MAX_SHARE, OFFLOAD_DESTINATIONS
+from ..quantize import plain_rounding
 from . import common
 from .common import CLIError
 
@@ -77,7 +80,8 @@ def run_offload(args: argparse.Namespace, quant_config, settings, output) -> int
         model, tokenizer = common.load(args)
         texts, source = prompt_set.prompts, prompt_set.source
         prompts = [build_chat_inputs(tokenizer, text, args.device) for text in texts[:settings.prompts_used]]
-    model = common.build(model, quant_config)
+    with plain_rounding() if args.random_model is not None else contextlib.nullcontext():  # as bench --random-model
+        model = common.build(model, quant_config)
     kernels = twin_description(model)["kernels"]  # the memory subprocesses build the same kernels, unmeasured
     quant = replace(quant_config, backend=kernels[0]) if len(kernels) == 1 else quant_config
     spec = ModelSpec(model=args.model, gguf_file=args.gguf_file, random_model=args.random_model, seed=args.seed,

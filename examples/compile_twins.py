@@ -1,0 +1,103 @@
+"""Does `torch.compile` make decoding faster on this machine? The paper compiles its twins ("partial graph
+compilation"); this measures it for the parts of a decoder layer that carry no `layer_idx` (the MLP and the two
+RMSNorms), so one compiled graph serves every layer, on the backbone and on the twins alike.
+
+    python examples/compile_twins.py                      # SmolLM2-135M, 4-bit twins, 3 rounds of 48 tokens
+    python examples/compile_twins.py --parts mlp --rounds 5
+    python examples/compile_twins.py --model PATH_OR_HUB_ID
+
+Four systems, interleaved after a warm-up that pays the compilation: the backbone eager and compiled, and full
+quantization (tau=-1: every decode step leaves after layer 0 and runs the twins) eager and compiled. Compiling is
+done by swapping each chosen submodule for a `torch.compile` wrapper of itself in its parent, so one model serves
+all four (the wrappers and dynamo's cache persist between swaps). Prints the compile time, the graphs and
+recompilations dynamo counted, and the median decode ms/token of each system.
+Whole decoder layers are not compiled: attention writes the cache at its `layer_idx`, which dynamo specialises
+on, so every layer is a recompilation (and past the recompile limit, eager again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from river_hf import RiverConfig, RiverQuantConfig, build_river
+from river_hf.bench.speed import time_generate
+from river_hf.bench.data import load_prompts
+from river_hf.layers import river_layers
+from river_hf.models import build_chat_inputs, load_model_and_tokenizer
+
+PARTS = {"mlp": ("mlp",), "norms": ("input_layernorm", "post_attention_layernorm"),
+         "mlp+norms": ("mlp", "input_layernorm", "post_attention_layernorm")}
+
+
+class Swaps:
+    """Each chosen submodule of each layer, with a compiled wrapper of itself; `use(layers, compiled)` puts one or
+    the other in place."""
+
+    def __init__(self, layers: list[nn.Module], names: tuple[str, ...]):
+        self.entries = [(layer, name, getattr(layer, name), torch.compile(getattr(layer, name)))
+                        for layer in layers for name in names if isinstance(getattr(layer, name, None), nn.Module)]
+
+    def use(self, compiled: bool) -> None:
+        for layer, name, eager, wrapper in self.entries:
+            layer._modules[name] = wrapper if compiled else eager
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", choices=list(PARTS), default="mlp+norms")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--model", default=None, help="A hub id or local path (default: the packaged SmolLM2).")
+    args = parser.parse_args(argv)
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    build_river(model, RiverQuantConfig(nbits=4, group_size=64, start_layer=1), progress=False)
+    layers = river_layers(model)
+    backbone = Swaps([layer.base_layer for layer in layers], PARTS[args.parts])
+    twins = Swaps([layer.twin for layer in layers if layer.twin is not None], PARTS[args.parts])
+    inputs = build_chat_inputs(tokenizer, load_prompts(1).prompts[0])
+    fixed = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False)
+    systems = {"backbone eager": (False, None), "backbone compiled": (True, "backbone"),
+               "full-quant eager": (False, None), "full-quant compiled": (True, "twins")}
+
+    def run(name: str) -> float:
+        compiled, which = systems[name]
+        backbone.use(compiled and which == "backbone")
+        twins.use(compiled and which == "twins")
+        config = RiverConfig(tau=-1.0, **fixed) if name.startswith("full-quant") else GenerationConfig(**fixed)
+        timing = time_generate(model, inputs, config)
+        return 1000.0 / timing.decode_tokens_per_s
+
+    compile_seconds = {}
+    for name in systems:  # warm-up; the compiled systems compile here
+        started = time.perf_counter()
+        run(name)
+        compile_seconds[name] = time.perf_counter() - started
+    counters = dict(torch._dynamo.utils.counters["stats"])
+    ms = {name: [] for name in systems}
+    for _ in range(args.rounds):
+        for name in systems:
+            ms[name].append(run(name))
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}; parts compiled: {args.parts}")
+    print(f"dynamo: {counters}; recompiles after warm-up: "
+          f"{dict(torch._dynamo.utils.counters['stats']) != counters}")
+    results = {name: {"warm_up_s": compile_seconds[name], "ms_per_token": statistics.median(ms[name])}
+               for name in systems}
+    for name in systems:
+        print(f"{name:22s} warm-up {compile_seconds[name]:6.1f} s   decode {statistics.median(ms[name]):6.2f} ms/token "
+              f"(rounds: {', '.join(f'{value:.1f}' for value in ms[name])})")
+
+    backbone.use(False)
+    twins.use(False)  # the model leaves as it came
+    return results
+
+
+if __name__ == "__main__":
+    main()
