@@ -57,7 +57,8 @@ class RiverSettings:
     lossless: bool = field(default=False, metadata={"help": (
         "Lossless mode (docs/lossless.md): the river, with its exit signal, drafts up to `num_draft_tokens` tokens, "
         "the backbone verifies them in one forward pass and keeps the longest agreeing prefix plus its own next "
-        "token, in the one RiverCache. Greedy output equals the backbone's; sampling follows the backbone's "
+        "token, in the one RiverCache. Greedy output equals the backbone's (exactly in fp32; in bf16 a multi-token "
+        "pass rounds differently from one-token decoding, so a near-tie can flip); sampling follows the backbone's "
         "distribution (speculative sampling). Batch size 1, kv_strategy 'river'.")})
     num_draft_tokens: int | str = field(default=4, metadata={"help": (
         "lossless only: tokens the river drafts per verification, an int >= 1, or 'heuristic' (start at 4; +2 after "
