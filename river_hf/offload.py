@@ -34,6 +34,7 @@ from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_f
 from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset, save_offload_index
 from safetensors.torch import save_file
 from torch import nn
+from tqdm.auto import tqdm
 
 from .architectures import find_decoder_layers
 from .checks import check_choice
@@ -76,15 +77,17 @@ class OffloadStore:
         self.previous_device_map = None
         self._remove_folder = weakref.finalize(self, shutil.rmtree, folder, True) if folder else None
 
-    def write(self, tensors_by_layer: dict[int, dict[str, torch.Tensor]]) -> None:
-        """Store every tensor ({layer: {full name: tensor}}) and open the loader on them."""
+    def write(self, tensors_by_layer: dict[int, dict[str, torch.Tensor]], progress: bool = False) -> None:
+        """Store every tensor ({layer: {full name: tensor}}) and open the loader on them; `progress` shows a bar
+        per layer file (a large model writes gigabytes)."""
         self.offloaded_bytes = sum(t.numel() * t.element_size() for ts in tensors_by_layer.values() for t in ts.values())
         if self.to == "cpu":
             self.loader = OffloadedWeightsLoader(state_dict={
                 name: _pinned_copy(tensor) for tensors in tensors_by_layer.values() for name, tensor in tensors.items()})
             return
         index = {}
-        for layer_idx, tensors in tensors_by_layer.items():
+        for layer_idx, tensors in tqdm(tensors_by_layer.items(), desc="river: offloading backbone layers",
+                                       unit="layer", disable=not progress):
             path = os.path.join(self.folder, f"layer-{layer_idx:04d}.safetensors")
             save_file({name: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}, path)
             index.update({name: {"safetensors_file": path, "weight_name": name} for name in tensors})
@@ -111,7 +114,8 @@ class BackboneOffloadHook(AlignDevicesHook):
         return result
 
 
-def offload_backbone(model: nn.Module, layers="auto", to: str = "disk", folder: str | None = None, **auto) -> nn.Module:
+def offload_backbone(model: nn.Module, layers="auto", to: str = "disk", folder: str | None = None,
+                     progress: bool = True, **auto) -> nn.Module:
     """Move the backbone weights of decoder `layers` (from `start_layer` on) off the execution device; they page in
     for each step that runs those backbone layers. Returns the same model.
 
@@ -119,7 +123,8 @@ def offload_backbone(model: nn.Module, layers="auto", to: str = "disk", folder: 
     measured exit-depth histogram (`histogram=`, or measured now from `inputs=` and `generation_config=`: see
     `offload_choice.choose_layers`). `to`: "disk" (safetensors files in `folder`, default
     $RIVER_HF_CACHE/offload or ~/.cache/river_hf/offload, a fresh subfolder per call) or "cpu" (CUDA models only).
-    On any error nothing is left offloaded and no file is left behind."""
+    `progress`: a progress bar while the files are written. On any error nothing is left offloaded and no file is
+    left behind."""
     check_choice("to", to, OFFLOAD_DESTINATIONS)
     wrapped = river_layers(model)  # a clear error for a model without a river
     if offloaded_layers(model):
@@ -135,7 +140,7 @@ def offload_backbone(model: nn.Module, layers="auto", to: str = "disk", folder: 
     attached = []
     try:
         store.write({idx: {f"{name}.{key}": tensor for name, module, layer in plan if layer == idx
-                           for key, tensor in module.named_parameters(recurse=False)} for idx in indices})
+                           for key, tensor in module.named_parameters(recurse=False)} for idx in indices}, progress)
         for name, module, layer in plan:
             add_hook_to_module(module, BackboneOffloadHook(store, layer, execution_device=device,
                                                            weights_map=PrefixedDataset(store.loader, f"{name}.")))

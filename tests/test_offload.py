@@ -103,6 +103,16 @@ def test_reload_and_remove_river_give_back_the_exact_weights(prompt_ids, tmp_pat
     assert all(torch.equal(original[k], restored[k]) for k in original)
 
 
+def test_writing_the_files_shows_a_progress_bar_unless_asked_not_to(tmp_path, capsys):
+    model = river_of(tiny_model("llama"))
+    offload_backbone(model, layers=RIVER_LAYERS, folder=str(tmp_path))
+    bar = capsys.readouterr().err
+    assert "river: offloading backbone layers" in bar and f"{len(RIVER_LAYERS)}/{len(RIVER_LAYERS)}" in bar
+    reload_backbone(model)
+    offload_backbone(model, layers=RIVER_LAYERS, folder=str(tmp_path), progress=False)
+    assert "offloading" not in capsys.readouterr().err
+
+
 def test_save_pretrained_reads_the_offloaded_weights(tmp_path):
     plain = tiny_model("llama")
     original = linear_weights(plain)

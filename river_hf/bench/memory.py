@@ -93,7 +93,7 @@ def load_system(job: dict):
         return static_full_quant(model), GenerationConfig(**fixed)  # layers they replace, is freed on return
     if system == "river+offload" and job["offload"]["layers"]:
         offload = job["offload"]
-        offload_backbone(model, layers=offload["layers"], to=offload["to"], folder=offload["folder"])
+        offload_backbone(model, layers=offload["layers"], to=offload["to"], folder=offload["folder"], progress=False)
     return model, RiverConfig(**job["river"], **fixed)
 
 
