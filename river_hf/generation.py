@@ -9,16 +9,19 @@ untouched backbone: the layers see a plain cache and never call a twin.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 
 from transformers import GenerationConfig
 
 from .cache import RiverCache
+from .config import RiverQuantConfig
 from .layers import backbone_layers, river_layers, twins_prefill_faster
 from .lm_head import original_lm_head
 from .lossless import LosslessCache, lossless_generate_kwargs
 from .router import ExitRouter
 from .settings import RIVER_FIELDS, RiverSettings, river_field_defaults, river_fields_doc
 from .strategies import make_strategy
+from . import twin_store
 
 class RiverConfig(GenerationConfig):
     """A `GenerationConfig` with the river's exit settings (the fields of `river_hf.RiverSettings`, validated there).
@@ -91,11 +94,29 @@ class RiverGenerationMixin:
                 kwargs.update(lossless_generate_kwargs(settings, kwargs))
         return super().generate(inputs, generation_config=without_river_fields(generation_config), **kwargs)
 
-    def save_pretrained(self, *args, **kwargs):
-        """Save the backbone's own checkpoint. Twins are never stored: a model loaded with
-        `quantization_config=RiverQuantConfig(...)` saves that config, and loading the folder rebuilds them."""
-        with backbone_layers(self), original_lm_head(self):
-            return super().save_pretrained(*args, **kwargs)
+    def save_pretrained(self, save_directory, *args, save_twins: bool | None = None, **kwargs):
+        """Save the backbone's own checkpoint (original layers and LM head, exactly), and with `save_twins` the twins
+        too (river_twins.safetensors, river_hf.twin_store), so that loading the folder reads them instead of running
+        HQQ. `save_twins=True` also writes the river's RiverQuantConfig into config.json, so a plain
+        `from_pretrained(folder)` loads the river. Default (None): store them when config.json carries a
+        RiverQuantConfig anyway (a model loaded with `quantization_config=RiverQuantConfig(...)`), whose folder loads
+        as a river; a river made with `build_river` saves the plain backbone, as before. A save without twins removes
+        an old twins file from the folder."""
+        save_twins = self._saves_twins_by_default() if save_twins is None else save_twins
+        if not isinstance(save_twins, bool):
+            raise ValueError(f"`save_twins` must be True, False or None (the default); got {save_twins!r}.")
+        with _river_quant_config_saved(self, save_twins), backbone_layers(self), original_lm_head(self):
+            result = super().save_pretrained(save_directory, *args, **kwargs)
+        if not kwargs.get("is_main_process", True):
+            return result
+        if save_twins:
+            twin_store.save_twins(self, save_directory)
+        else:
+            twin_store.remove_twins(save_directory)
+        return result
+
+    def _saves_twins_by_default(self) -> bool:
+        return isinstance(getattr(self.config, "quantization_config", None), RiverQuantConfig)
 
     def _river_cache(self, settings: RiverSettings, kwargs: dict) -> RiverCache:
         # (not `or`: an empty Cache is falsy, it has len() 0)
@@ -109,6 +130,21 @@ class RiverGenerationMixin:
         if user_cache is None and settings.lossless:
             user_cache = LosslessCache(config=self.config.get_text_config(decoder=True))
         return new_river_cache(self, settings, kwargs.get("attention_mask"), cache=user_cache)
+
+
+@contextmanager
+def _river_quant_config_saved(model, save_twins: bool):
+    """With the twins saved, config.json must name the river's RiverQuantConfig (a `build_river` model has none), so
+    that loading the folder goes through the river quantizer and finds them."""
+    config = model.config
+    if not save_twins or getattr(config, "quantization_config", None) is not None:
+        yield
+        return
+    config.quantization_config = next(layer.quant_config for layer in river_layers(model) if layer.twin is not None)
+    try:
+        yield
+    finally:
+        del config.quantization_config
 
 
 def new_river_cache(model, settings: RiverSettings, attention_mask=None, cache: RiverCache | None = None) -> RiverCache:

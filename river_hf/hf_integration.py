@@ -1,7 +1,8 @@
 """`from_pretrained(..., quantization_config=RiverQuantConfig(...))`: river_hf's quantizer, registered in transformers.
 
 The backbone loads as usual (full precision); once its weights are in (and tied: transformers ties the embeddings
-before this hook), the quantizer builds the river, with the config's bit schedule and quantized LM head if any.
+before this hook), the quantizer builds the river, with the config's bit schedule and quantized LM head if any. A
+folder saved with its twins (river_twins.safetensors beside the weights) gives them back without HQQ.
 transformers' own `HqqConfig` quantize-on-load is broken in 5.x (no `get_quantize_ops`), so nothing here relies on it.
 """
 
@@ -18,6 +19,7 @@ from transformers.quantizers.auto import (
 from .config import RIVER_QUANT_METHOD, RiverQuantConfig
 from .offload import offload_backbone
 from .patching import build_river
+from .twin_store import StoredTwins
 
 
 class RiverHfQuantizer(HfQuantizer):
@@ -25,21 +27,25 @@ class RiverHfQuantizer(HfQuantizer):
 
     requires_calibration = False
 
-    def _process_model_before_weight_loading(self, model, **kwargs):
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        # Twins saved beside the checkpoint (save_pretrained(..., save_twins=True)) are read and checked now: a
+        # corrupted file fails before the backbone's weights are loaded, and nothing is half built.
+        self.stored_twins = StoredTwins.next_to(checkpoint_files)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         config = self.quantization_config
-        build_river(model, config)
+        stored, self.stored_twins = getattr(self, "stored_twins", None), None  # the codes go into the twins
+        build_river(model, config, stored_twins=stored)
         if config.offload is not None:  # the backbone weights rarely run leave the device (river_hf.offload)
             offload_backbone(model, layers=config.offload_layers, to=config.offload, folder=config.offload_folder,
                              histogram=config.offload_exit_histogram, max_share=config.offload_max_share)
         return model
 
     def is_serializable(self, **kwargs) -> bool:
-        # RiverGenerationMixin.save_pretrained writes the backbone's checkpoint (original layers and LM head) plus
-        # this config; loading it rebuilds the twins and the quantized head (storing them would only duplicate the
-        # backbone in another form).
+        # RiverGenerationMixin.save_pretrained writes the backbone's checkpoint (original layers and LM head), this
+        # config and, by default, the twins in a portable form (river_hf.twin_store); loading the folder reads them
+        # back (or rebuilds those that no longer fit).
         return True
 
     @property

@@ -19,11 +19,13 @@ from .lm_head import RiverLMHead, install_lm_head, remove_lm_head
 from .offload import reload_backbone
 from .passes import hook_passes
 from .quantize import RiverQuantLinear
+from .twin_store import fingerprint, read_stored_twins
 
 _RIVER_CLASSES: dict[type, type] = {}
 
 
-def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, progress: bool = True) -> nn.Module:
+def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, progress: bool = True,
+                stored_twins=None) -> nn.Module:
     """Give every decoder layer from `start_layer` on a quantized, KV-sharing twin. Returns the same model.
 
     Each twin gets its layer's bits (`quant_config.nbits_for(idx)`), so with a schedule each layer runs on the kernel
@@ -31,6 +33,9 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
     gets a quantized copy that the steps which left the backbone use.
 
     Quantizing takes a few seconds per hundred million parameters on CPU (HQQ's optimizer); a progress bar shows it.
+    `stored_twins` (a saved river's twins file or folder, or a `twin_store.StoredTwins`): the twins it holds that
+    fit this model and config are packed from their stored codes, without HQQ; the rest are quantized, with a
+    `TwinsMismatchWarning` saying what differs (river_hf.twin_store).
     """
     quant_config = quant_config if quant_config is not None else RiverQuantConfig()
     if not isinstance(quant_config, RiverQuantConfig):
@@ -40,12 +45,14 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
     layers = find_decoder_layers(model)
     quant_config.check_model_depth(len(layers))
     # The head first: it fails fast (no output embedding, not a Linear) before the model is touched.
-    lm_head = _quantized_lm_head(model, quant_config) if quant_config.quantize_lm_head else None
+    stored = read_stored_twins(stored_twins)  # a corrupted file raises here, before the model is touched
+    lm_head = _quantized_lm_head(model, quant_config, stored) if quant_config.quantize_lm_head else None
+    from_store = stored.twins(layers, quant_config) if stored is not None else {}
     wrapped = [RiverLayer(layer, None, layer_idx=idx, num_layers=len(layers), quant_config=quant_config)
                for idx, layer in enumerate(layers)]
     for idx in tqdm(range(quant_config.start_layer, len(layers)), desc="river: quantizing twins",
                     disable=not progress, leave=False):
-        wrapped[idx].twin = _twin(layers[idx], idx, quant_config)
+        wrapped[idx].twin = from_store[idx] if idx in from_store else _twin(layers[idx], idx, quant_config)
     for idx, layer in enumerate(wrapped):  # only now, with every twin built: an error above leaves no trace
         layers[idx] = layer
     if lm_head is not None:
@@ -59,22 +66,29 @@ def _twin(layer: nn.Module, idx: int, quant_config: RiverQuantConfig) -> nn.Modu
     nbits, group_size = quant_config.nbits_for(idx), quant_config.group_size_for(idx)
 
     def quantize(linear):
-        return RiverQuantLinear.from_linear(linear, nbits=nbits, group_size=group_size, axis=quant_config.axis,
-                                            backend=quant_config.backend)
+        twin_linear = RiverQuantLinear.from_linear(linear, nbits=nbits, group_size=group_size,
+                                                   axis=quant_config.axis, backend=quant_config.backend)
+        twin_linear.source_fingerprint = fingerprint(linear)  # what a saved river checks its twins against
+        return twin_linear
 
     return make_twin(layer, quantize, quant_config.skip_modules)
 
 
-def _quantized_lm_head(model: nn.Module, quant_config: RiverQuantConfig) -> RiverLMHead:
+def _quantized_lm_head(model: nn.Module, quant_config: RiverQuantConfig, stored=None) -> RiverLMHead:
     head = output_embedding(model)
     if head is None or not hasattr(model, "set_output_embeddings"):
         raise UnsupportedModelError(
             f"`quantize_lm_head=True`: {type(model).__name__} has no output embedding (get_output_embeddings() "
             f"returned nothing); build the river with quantize_lm_head=False."
         )
-    return RiverLMHead.from_head(head, nbits=quant_config.lm_head_nbits,
-                                 group_size=quant_config.lm_head_group_size, axis=quant_config.axis,
-                                 backend=quant_config.backend)
+    quantized = stored.lm_head(head, quant_config) if stored is not None and isinstance(head, nn.Linear) else None
+    if quantized is not None:
+        return RiverLMHead(head, quantized)
+    lm_head = RiverLMHead.from_head(head, nbits=quant_config.lm_head_nbits,
+                                    group_size=quant_config.lm_head_group_size, axis=quant_config.axis,
+                                    backend=quant_config.backend)
+    lm_head.quantized_head.source_fingerprint = fingerprint(head)
+    return lm_head
 
 
 def remove_river(model: nn.Module) -> nn.Module:

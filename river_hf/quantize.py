@@ -126,6 +126,63 @@ def _fit_layer(requested: str, nbits: int, group_size: int | None, weight: torch
     return backend, group_size
 
 
+def _readable(backend: str, nbits: int, group_size: int | None, out_features: int, in_features: int) -> bool:
+    """Whether `backend` can run codes already grouped by `group_size` (stored codes cannot be regrouped: the int8
+    kernels read one (scale, zero) per row)."""
+    if backend.startswith("int8pack") and group_size is not None:
+        return False
+    return shape_problem(backend, out_features, in_features, group_size) is None
+
+
+def _backend_for_codes(requested: str, nbits: int, group_size: int | None, out_features: int, in_features: int,
+                       device: torch.device) -> str:
+    """The kernel for stored codes: chosen as for a fresh layer ('fastest' measures, 'auto' takes the preferred one),
+    among the kernels that can read the codes' grouping; 'dense' (any grouping, the backbone's speed) otherwise."""
+    if requested == "fastest" and device.type == "cpu":
+        timings = fastest_backend(nbits, group_size, out_features, in_features, device).microseconds
+        usable = [name for name in timings if _readable(name, nbits, group_size, out_features, in_features)]
+        return min(usable, key=timings.get) if usable else "hqq"
+    backend = resolve_backend(requested, nbits, device)
+    if _readable(backend, nbits, group_size, out_features, in_features):
+        return backend
+    if requested not in ("auto", "fastest"):
+        raise ValueError(f"`backend`={requested!r} cannot run these stored {nbits}-bit codes of a "
+                         f"[{out_features}, {in_features}] weight grouped by `group_size`={group_size}; use "
+                         f"backend='auto' or 'dense'.")
+    return "dense"
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Any packed tensor's bytes as 4-bit values, low nibble first -> uint8 [2 * bytes]."""
+    data = packed.contiguous().view(torch.uint8).reshape(-1)
+    return torch.stack([data & 15, data >> 4], dim=-1).reshape(-1)
+
+
+def _int4_codes_by_layout(module: "RiverQuantLinear") -> torch.Tensor | None:
+    """The codes [N, K] of an int4-kernel layer, from its packed weight without running the kernel.
+
+    The packed weight is a data-independent shuffle of 4-bit values (blocked for the CPU's ISA: opaque, but fixed),
+    so packing images whose values are the base-16 digits of each element's index shows where every code went: a
+    few packs, where reading the codes through the kernel (an identity-matrix matmul, `Kernel.codes`) costs K GEMVs
+    per layer, hours for an 8B model on CPU. Checked by packing the decoded codes again: None when the bytes
+    differ (the caller then reads them through the kernel)."""
+    rows, cols, nbits = module.out_features, module.in_features, module.nbits
+    pack = KERNELS[module.backend].pack
+    index = torch.arange(rows * cols, device=module.qweight.device)
+    source = torch.zeros_like(index)
+    for digit in range(((rows * cols - 1).bit_length() + 3) // 4):
+        image = ((index >> (4 * digit)) & 15).reshape(rows, cols).to(torch.int32)  # packed as 4-bit: no shift
+        source |= _nibbles(pack(image, module.scale, module.zero, module.group_size, 4)["qweight"]).long() << (4 * digit)
+    centered = torch.empty(rows * cols, dtype=torch.int16, device=index.device)
+    centered[source] = _nibbles(module.qweight).to(torch.int16)
+    codes = centered.reshape(rows, cols) - (8 - 2 ** (nbits - 1))  # 2/3-bit codes sit around the midpoint 8
+    if codes.min() < 0 or codes.max() >= 2 ** nbits:
+        return None
+    codes = codes.to(torch.uint8)
+    repacked = pack(codes, module.scale, module.zero, module.group_size, nbits)["qweight"]
+    return codes if torch.equal(repacked, module.qweight) else None
+
+
 def _check_layer(linear: nn.Module, nbits, group_size, axis) -> None:
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"`linear` must be an nn.Linear; got {type(linear).__name__}.")
@@ -147,12 +204,15 @@ class RiverQuantLinear(nn.Module):
     Buffers (not Parameters: nothing here trains): `scale`, `zero` float32 [N, G] are HQQ's per-group meta
     (G = in_features // group_size, 1 when group_size is None); `qweight` is the kernel's weight; `bias` is
     the original bias or None. Extra per backend: `scales_and_zeros` (int4 kernels), `kernel_scale` and
-    `zero_shift` (int8 kernel).
+    `zero_shift` (int8 kernel). `source_fingerprint`: what the twin was made from (set by build_river,
+    `river_hf.twin_store.fingerprint` of the linear it quantized), so a saved river can tell stale twins apart.
 
     Device moves: the packed weight is laid out for the device type (and, for `int4pack_cpu`, the CPU ISA) it was
     built on. `.to(dtype)` is harmless; moving between CPU and CUDA is not supported (forward raises): build the
     twin on the target device instead. Only the 'hqq' backend runs anywhere.
     """
+
+    source_fingerprint: str | None = None  # see the class docstring
 
     def __init__(self, in_features: int, out_features: int, nbits: int, group_size: int | None, backend: str,
                  buffers: dict[str, torch.Tensor], bias: torch.Tensor | None = None):
@@ -181,6 +241,39 @@ class RiverQuantLinear(nn.Module):
         buffers = {"scale": scale, "zero": zero, **KERNELS[backend].pack(codes, scale, zero, group_size, nbits)}
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(linear.in_features, linear.out_features, nbits, group_size, backend, buffers, bias)
+
+    @classmethod
+    @torch.no_grad()
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
+                   nbits: int = 4, group_size: int | None = 64, backend: str = "auto",
+                   device: torch.device | str | None = None) -> "RiverQuantLinear":
+        """A twin linear from HQQ codes made before (a saved river, river_hf.twin_store): codes uint8 [N, K] in
+        0..2^nbits-1, scale and zero [N, G]; packed for `backend` on `device` (default: the codes' device), no HQQ.
+        'fastest' measures the kernels for this shape as `from_linear` does, among those that can read the codes'
+        grouping (8-bit codes grouped by `group_size` cannot run on the per-row int8 kernels: they run on 'dense')."""
+        check_choice("nbits", nbits, SUPPORTED_NBITS)
+        check_choice("group_size", group_size, SUPPORTED_GROUP_SIZES)
+        out_features, in_features = codes.shape
+        groups = 1 if group_size is None else in_features // group_size
+        if codes.dtype != torch.uint8 or scale.shape != (out_features, groups) or zero.shape != scale.shape:
+            raise ValueError(f"`codes` must be uint8 [N, K] and `scale`, `zero` [N, K // group_size]; got codes "
+                             f"{codes.dtype} {tuple(codes.shape)}, scale {tuple(scale.shape)}, zero {tuple(zero.shape)} "
+                             f"for `group_size`={group_size}.")
+        device = torch.device(device) if device is not None else codes.device
+        backend = _backend_for_codes(backend, nbits, group_size, out_features, in_features, device)
+        codes, scale, zero = codes.to(device), scale.to(device).float(), zero.to(device).float()
+        buffers = {"scale": scale, "zero": zero, **KERNELS[backend].pack(codes, scale, zero, group_size, nbits)}
+        bias = None if bias is None else bias.to(device)
+        return cls(in_features, out_features, nbits, group_size, backend, buffers, bias)
+
+    @torch.no_grad()
+    def codes(self) -> torch.Tensor:
+        """HQQ's codes [N, K] uint8, read back from the kernel's layout: the portable form a saved river stores."""
+        if "scales_and_zeros" in self._buffers:  # the int4 kernels' opaque layouts
+            codes = _int4_codes_by_layout(self)
+            if codes is not None:
+                return codes
+        return KERNELS[self.backend].codes(self).to(torch.uint8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
         kernel = self.kernel

@@ -1,0 +1,148 @@
+"""How long loading takes: the plain model, today's re-quantizing river load, and a saved river (twins stored).
+
+    python examples/load_time.py [--repeats 5] [--folder DIR] [--model PATH]
+
+The packaged SmolLM2-135M-Instruct is saved once as a plain safetensors folder (like for like: every system reads
+the same bf16 checkpoint), and once as a river with its twins (`save_pretrained`, twins stored by default for a
+model loaded with `quantization_config`). Then each load runs in a fresh subprocess (nothing cached in memory
+between loads, imports not counted), the systems interleaved round after round, and the median per system is
+reported with its ratio to the plain load. The saved loads run with HQQ disabled, so they prove they quantize
+nothing. Both kernel choices are shown: `backend="fastest"` (the default: times the kernels per layer shape at
+load) and `backend="auto"` (the device's preferred kernel, no timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BACKENDS = ("fastest", "auto")
+TWIN_FIELDS = ("nbits", "group_size", "start_layer", "quantize_lm_head", "lm_head_nbits")
+
+
+def systems(folder: str) -> dict[str, list[str]]:
+    """name -> the child's arguments (kind, folder, backend)."""
+    plain = os.path.join(folder, "plain")
+    entries = {"plain model": ["plain", plain, "-"]}
+    for backend in BACKENDS:
+        entries[f"re-quantizing river ({backend})"] = ["quantize", plain, backend]
+        entries[f"saved river ({backend})"] = ["saved", os.path.join(folder, f"river-{backend}"), backend]
+    return entries
+
+
+def prepare(folder: str, model_path: str | None) -> dict:
+    """The plain folder and one saved river per backend (the same twins; only config.json's backend differs)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from river_hf import RiverQuantConfig
+    from river_hf.models import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(model_path, dtype=torch.bfloat16)
+    model.save_pretrained(os.path.join(folder, "plain"))
+    del model
+    plain = os.path.join(folder, "plain")
+    river = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.bfloat16,
+                                                 quantization_config=RiverQuantConfig(backend=BACKENDS[0]))
+    started = time.perf_counter()
+    river.save_pretrained(os.path.join(folder, f"river-{BACKENDS[0]}"))  # twins stored by default here
+    save_seconds = time.perf_counter() - started
+    for backend in BACKENDS[1:]:
+        target = os.path.join(folder, f"river-{backend}")
+        shutil.copytree(os.path.join(folder, f"river-{BACKENDS[0]}"), target)
+        config_path = os.path.join(target, "config.json")
+        with open(config_path) as file:
+            config = json.load(file)
+        config["quantization_config"]["backend"] = backend
+        with open(config_path, "w") as file:
+            json.dump(config, file, indent=2)
+    twins = os.path.getsize(os.path.join(folder, f"river-{BACKENDS[0]}", "river_twins.safetensors"))
+    weights = os.path.getsize(os.path.join(plain, "model.safetensors"))
+    return {"save_with_twins_s": save_seconds, "twins_file_mib": twins / 2**20, "weights_file_mib": weights / 2**20}
+
+
+def child(kind: str, folder: str, backend: str) -> None:
+    """One load, timed after the imports; prints {"seconds": ...}."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import river_hf
+    from river_hf import RiverQuantConfig, quantize
+
+    kwargs = {"dtype": torch.bfloat16}
+    if kind == "quantize":
+        kwargs["quantization_config"] = RiverQuantConfig(backend=backend)
+    if kind == "saved":
+        def refuse(*args, **kw):
+            raise RuntimeError("HQQ ran during a saved river's load")
+        quantize._hqq_quantize = refuse
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    seconds = time.perf_counter() - started
+    assert river_hf.is_river(model) == (kind != "plain")
+    print(json.dumps({"seconds": seconds}))
+
+
+def run_child(arguments: list[str]) -> float:
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    result = subprocess.run([sys.executable, __file__, "--child", *arguments], capture_output=True, text=True,
+                            env=env, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"load {arguments} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])["seconds"]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--model", default=None, help="A hub id or local path (default: the packaged SmolLM2).")
+    parser.add_argument("--folder", default=None, help="work folder (default: a temporary one, removed after)")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(*args.child)
+        return {}
+    import torch
+
+    from river_hf.kernel_choice import cpu_description
+
+    folder = args.folder or tempfile.mkdtemp(prefix="river-load-time-")
+    try:
+        info = prepare(folder, args.model)
+        entries = systems(folder)
+        run_child(entries["plain model"])  # warm-up: the page cache holds the files for every system alike
+        times: dict[str, list[float]] = {name: [] for name in entries}
+        for round_ in range(args.repeats):
+            names = list(entries)
+            for name in names[round_ % len(names):] + names[:round_ % len(names)]:  # rotate: no fixed first slot
+                times[name].append(run_child(entries[name]))
+    finally:
+        if args.folder is None:
+            shutil.rmtree(folder, ignore_errors=True)
+    print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}  {json.dumps(cpu_description())}")
+    from river_hf import RiverQuantConfig
+
+    twins = {k: v for k, v in RiverQuantConfig().to_dict().items() if k in TWIN_FIELDS}
+    print(f"torch {torch.__version__}; {args.model or 'SmolLM2-135M-Instruct'} bf16; RiverQuantConfig() defaults "
+          f"{twins}; {args.repeats} loads per system, each in its own process")
+    print(f"save_pretrained with twins: {info['save_with_twins_s']:.1f} s; model.safetensors "
+          f"{info['weights_file_mib']:.0f} MiB, river_twins.safetensors {info['twins_file_mib']:.0f} MiB\n")
+    plain = statistics.median(times["plain model"])
+    print("| load | median s | min-max s | vs plain |\n|---|---:|---:|---:|")
+    table = {}
+    for name, values in times.items():
+        table[name] = {"median_s": statistics.median(values), "vs_plain": statistics.median(values) / plain}
+        print(f"| {name} | {table[name]['median_s']:.2f} | {min(values):.2f}-{max(values):.2f} | "
+              f"{table[name]['vs_plain']:.2f}x |")
+    return table
+
+
+if __name__ == "__main__":
+    main()
