@@ -183,6 +183,24 @@ def _int4_codes_by_layout(module: "RiverQuantLinear") -> torch.Tensor | None:
     return codes if torch.equal(repacked, module.qweight) else None
 
 
+def _dense_codes(module: "RiverQuantLinear") -> torch.Tensor | None:
+    """The codes [N, K] of a 'dense' layer, whose weight is the bf16 rounding of (W_q - zero) * scale. Rounding back
+    to the nearest code can miss by one where |W_q - zero| is large (bf16 keeps 8 significant bits), so of each
+    nearest code and its two neighbours, the one whose bf16 weight is the stored one is taken. None when some
+    element has none (not a 'dense' weight made by this code)."""
+    weight, scale, zero = module.qweight, module.scale.float(), module.zero.float()
+    rows, cols = weight.shape
+    grouped = weight.float().reshape(rows, scale.shape[1], -1) / scale[..., None] + zero[..., None]
+    nearest = grouped.round().reshape(rows, cols).to(torch.int16)
+    codes = torch.zeros_like(nearest)
+    found = torch.zeros_like(nearest, dtype=torch.bool)
+    for shift in (0, -1, 1):
+        candidate = (nearest + shift).clamp(0, 2 ** module.nbits - 1)
+        match = ~found & (dequantize(candidate, scale, zero).to(weight.dtype) == weight)
+        codes, found = torch.where(match, candidate, codes), found | match
+    return codes.to(torch.uint8) if bool(found.all()) else None
+
+
 def _check_layer(linear: nn.Module, nbits, group_size, axis) -> None:
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"`linear` must be an nn.Linear; got {type(linear).__name__}.")
@@ -268,12 +286,22 @@ class RiverQuantLinear(nn.Module):
 
     @torch.no_grad()
     def codes(self) -> torch.Tensor:
-        """HQQ's codes [N, K] uint8, read back from the kernel's layout: the portable form a saved river stores."""
+        """HQQ's codes [N, K] uint8, read back from the kernel's layout: the portable form a saved river stores.
+        Checked: packing them again gives this module's buffers exactly (so a twin made `from_codes` computes what
+        this one does); a RuntimeError otherwise."""
+        codes = None
         if "scales_and_zeros" in self._buffers:  # the int4 kernels' opaque layouts
             codes = _int4_codes_by_layout(self)
-            if codes is not None:
-                return codes
-        return KERNELS[self.backend].codes(self).to(torch.uint8)
+        elif self.backend == "dense":
+            codes = _dense_codes(self)
+        if codes is None:
+            codes = KERNELS[self.backend].codes(self).to(torch.uint8)
+        packed = KERNELS[self.backend].pack(codes, self.scale, self.zero, self.group_size, self.nbits)
+        if not all(torch.equal(tensor, self._buffers[name]) for name, tensor in packed.items()):
+            raise RuntimeError(f"RiverQuantLinear ({self.backend!r}, {self.nbits}-bit, [{self.out_features}, "
+                               f"{self.in_features}]): its packed buffers are not what its codes pack to (were they "
+                               f"cast after the river was built?); build the river again before saving its twins.")
+        return codes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
         kernel = self.kernel

@@ -338,6 +338,21 @@ def test_codes_read_from_the_int4_layout_equal_the_kernels_own(nbits, group_size
     assert all(torch.equal(again._buffers[k], linear._buffers[k]) for k in linear._buffers)
 
 
+@pytest.mark.parametrize("backend, nbits, group_size", [
+    ("int8pack_cpu", 8, None), ("int8pack_fp32_cpu", 8, None), ("dense", 8, None), ("dense", 4, 64), ("hqq", 3, 32)])
+def test_codes_give_back_the_same_packed_twin_on_every_backend(backend, nbits, group_size):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96)
+    with torch.no_grad():  # rows far from zero: HQQ's zero point far from the middle, where bf16 rounding bites
+        linear.weight.add_(torch.rand(96, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 'hqq' warns that it is slow
+        twin = quantize.RiverQuantLinear.from_linear(linear, nbits=nbits, group_size=group_size, backend=backend)
+        again = quantize.RiverQuantLinear.from_codes(twin.codes(), twin.scale, twin.zero, twin.bias, nbits=nbits,
+                                                     group_size=group_size, backend=backend)
+    assert all(torch.equal(again._buffers[k], twin._buffers[k]) for k in twin._buffers if twin._buffers[k] is not None)
+
+
 def test_from_codes_checks_its_input_and_the_grouping_a_kernel_can_read():
     codes = torch.randint(0, 256, (32, 128), dtype=torch.uint8)
     scale, zero = torch.rand(32, 2) + 0.1, torch.full((32, 2), 128.0)
