@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .adapters import adapter_state, check_unchanged, twin_replacements
 from .architectures import find_decoder_layers, hidden_of
 from .passes import river_cache_of
 from .kernel_choice import lookup
@@ -35,12 +36,17 @@ class RiverLayer(nn.Module):
         self.layer_idx = layer_idx
         self.num_layers = num_layers
         self.quant_config = quant_config  # the RiverQuantConfig the twin was built with
+        self.adapter_state = adapter_state(base_layer)  # peft adapters now: the twin is built from them (adapters.py)
         self.pass_hooks: list = []  # layer 0 keeps the model-level hooks build_river installed (river_hf.passes)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         cache = river_cache_of(kwargs)
         if cache is None:
             return self.base_layer(hidden_states, *args, **kwargs)  # plain generate: the untouched backbone
+        if self.twin is not None and cache.recorded_length == 0:
+            # a river pass's first step: a twin built from peft adapters that have changed since is an error, not
+            # drift (here, not in river_layers: remove_river must still work on such a model)
+            check_unchanged(self)
         router, strategy = cache.router, cache.strategy or _RIVER
         if self.layer_idx == 0:
             router.begin_step(hidden_states.shape[1], is_first_step=cache.recorded_length == 0)
@@ -71,6 +77,12 @@ class RiverLayer(nn.Module):
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, twin={'yes' if self.twin is not None else 'no'}"
 
+    def unload_and_optionally_merge_module(self, merge: bool, safe_merge: bool, adapter_names) -> RiverLayer:
+        # peft's unload (merge_and_unload, unload) takes any module with a `base_layer` for one of its adapter
+        # wrappers, unless it offers this method (peft's hook for modules that unload themselves). A RiverLayer is not
+        # an adapter wrapper: it stays, and the adapter layers inside it are unloaded on their own.
+        return self
+
 
 def _clock(tensor: torch.Tensor) -> float:
     """Wall time for profiling; on CUDA it waits for queued kernels first, so a layer's time is its own."""
@@ -82,20 +94,32 @@ def _clock(tensor: torch.Tensor) -> float:
 def make_twin(layer: nn.Module, quantize_linear, skip_modules: list[str]) -> nn.Module:
     """A copy of `layer` whose nn.Linear modules are quantized; every other parameter is shared, not copied.
 
-    `quantize_linear(linear) -> nn.Module` makes one quantized linear layer.
+    `quantize_linear(linear) -> nn.Module` makes one quantized linear layer. A peft adapter layer (LoRA) is
+    quantized as one linear of its merged weight (base + active adapters); a skipped one is shared as it is
+    (river_hf.adapters).
     """
+    def is_skipped(name: str) -> bool:
+        return _is_skipped(name, skip_modules)
+
+    adapted = twin_replacements(layer, is_skipped)  # first: a bad adapter raises before any work is done
     # deepcopy with a memo of the layer's own tensors: the copy refers to the same Parameter/buffer objects,
     # so norms stay shared and no full-precision weight is duplicated before quantization replaces it.
     memo = {id(tensor): tensor for tensor in (*layer.parameters(), *layer.buffers())}
     twin = copy.deepcopy(layer, memo)
+    for name, module in adapted.items():
+        twin.set_submodule(name, module)
     for name, module in list(twin.named_modules()):
-        if isinstance(module, nn.Linear) and not _is_skipped(name, skip_modules):
+        if isinstance(module, nn.Linear) and not is_skipped(name):
             twin.set_submodule(name, quantize_linear(module))
     return twin
 
 
 def _is_skipped(name: str, skip_modules: list[str]) -> bool:
-    return any(name == skip or name.endswith("." + skip) for skip in skip_modules)
+    """`name`, or a module it lies in, is one of `skip_modules` (e.g. "down_proj" skips "mlp.down_proj" and
+    "mlp.down_proj.base_layer")."""
+    parts = name.split(".")
+    prefixes = [".".join(parts[:end]) for end in range(1, len(parts) + 1)]
+    return any(prefix == skip or prefix.endswith("." + skip) for prefix in prefixes for skip in skip_modules)
 
 
 def river_layers(model: nn.Module) -> list[RiverLayer]:
@@ -125,6 +149,20 @@ def twins_prefill_faster(layers: list[RiverLayer]) -> bool:
             chosen += choice.prefill_microseconds[choice.backend]
             dense += choice.prefill_microseconds["dense"]
     return chosen < dense or dense == 0.0
+
+
+class AdapterLoadingMixin:
+    """Part of the river class (build_river): peft's injection (`load_adapter`, `add_adapter`) matches modules by
+    name, so it would also try to adapt the twins' quantized linears and fail halfway. It runs on the plain backbone
+    layers instead; a new active adapter then makes the next river generate ask for a rebuild (river_hf.adapters)."""
+
+    def load_adapter(self, *args, **kwargs):
+        with backbone_layers(self):
+            return super().load_adapter(*args, **kwargs)
+
+    def add_adapter(self, *args, **kwargs):
+        with backbone_layers(self):
+            return super().add_adapter(*args, **kwargs)
 
 
 @contextmanager

@@ -11,10 +11,11 @@ from __future__ import annotations
 from torch import nn
 from tqdm.auto import tqdm
 
+from .adapters import river_host
 from .architectures import UnsupportedModelError, find_decoder_layers, output_embedding
 from .config import RiverQuantConfig
 from .generation import RiverGenerationMixin
-from .layers import RiverLayer, make_twin
+from .layers import AdapterLoadingMixin, RiverLayer, make_twin
 from .lm_head import RiverLMHead, install_lm_head, remove_lm_head
 from .offload import reload_backbone
 from .passes import hook_passes
@@ -36,7 +37,11 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
     `stored_twins` (a saved river's twins file or folder, or a `twin_store.StoredTwins`): the twins it holds that
     fit this model and config are packed from their stored codes, without HQQ; the rest are quantized, with a
     `TwinsMismatchWarning` saying what differs (river_hf.twin_store).
+    A `PeftModel`'s river goes on the model inside it (`get_base_model()`); LoRA layers are merged into the twins.
     """
+    if (host := river_host(model)) is not model:
+        build_river(host, quant_config, progress)
+        return model
     quant_config = quant_config if quant_config is not None else RiverQuantConfig()
     if not isinstance(quant_config, RiverQuantConfig):
         raise TypeError(f"`quant_config` must be a RiverQuantConfig; got {type(quant_config).__name__}.")
@@ -94,6 +99,9 @@ def _quantized_lm_head(model: nn.Module, quant_config: RiverQuantConfig, stored=
 def remove_river(model: nn.Module) -> nn.Module:
     """Put the backbone layers (and the original LM head) back and restore the model's class; drops the twins.
     Returns the same model."""
+    if (host := river_host(model)) is not model:
+        remove_river(host)
+        return model
     if not is_river(model):
         raise ValueError("This model has no river to remove (river_hf.build_river was not applied to it).")
     reload_backbone(model)  # offloaded backbone weights first come back, exactly (a no-op when none are offloaded)
@@ -109,12 +117,12 @@ def remove_river(model: nn.Module) -> nn.Module:
 
 
 def is_river(model: nn.Module) -> bool:
-    return isinstance(model, RiverGenerationMixin)
+    return isinstance(river_host(model), RiverGenerationMixin)
 
 
 def _river_class(base: type) -> type:
     """The river subclass of `base`, made once per class. It keeps the name, so pipelines recognise the model."""
     if base not in _RIVER_CLASSES:
         attrs = {"__module__": base.__module__, "__qualname__": base.__qualname__, "_river_base_class": base}
-        _RIVER_CLASSES[base] = type(base.__name__, (RiverGenerationMixin, base), attrs)
+        _RIVER_CLASSES[base] = type(base.__name__, (RiverGenerationMixin, AdapterLoadingMixin, base), attrs)
     return _RIVER_CLASSES[base]
