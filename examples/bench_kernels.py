@@ -10,6 +10,8 @@ runs on the smallest size only and is timed on its own afterwards: interleaved, 
 caches and memory and slowed every other layer by ~50%.
 HQQ quantization is slow on CPU (~15 s for 2048x8192), so each configuration quantizes one weight and copies it:
 the kernels' speed does not depend on the values.
+With optimum-quanto installed (`pip install optimum-quanto`), its weight-only qint4 / qint8 linears (group 64 /
+per row, bf16 activations) run too: the candidate twin backend issue 11 asked about.
 """
 
 from __future__ import annotations
@@ -54,6 +56,22 @@ def make_layers(base: nn.Linear, configs: list, copies: int) -> dict[str, list[n
     return layers
 
 
+def quanto_layers(base: nn.Linear, copies: int) -> dict[str, list[nn.Module]]:
+    """label -> `copies` optimum-quanto linears of `base` (qint4 group 64, qint8 per row); {} without quanto."""
+    try:
+        from optimum.quanto import freeze, qint4, qint8, quantize
+    except ImportError:
+        return {}
+    def one(weights) -> nn.Module:  # quanto's tensors cannot be deep-copied: quantize each copy (it is cheap)
+        holder = nn.Sequential(copy.deepcopy(base).to(torch.bfloat16))
+        quantize(holder, weights=weights)  # quanto's default group size for 4-bit weights is 64
+        freeze(holder)
+        return holder[0]
+
+    return {label: [one(weights) for _ in range(copies)]
+            for label, weights in (("optimum-quanto qint4 g64", qint4), ("optimum-quanto qint8 per-row", qint8))}
+
+
 def time_round(layers: list[nn.Module], x: torch.Tensor) -> float:
     """Microseconds per call, over one call to each layer."""
     start = time.perf_counter()
@@ -75,13 +93,14 @@ def interleaved_medians(layers: dict[str, list[nn.Module]], x: torch.Tensor, war
     return {label: statistics.median(times) for label, times in samples.items()}
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: quanto's weight tensors cannot be used inside it
 def bench_size(in_features: int, out_features: int, args, smallest: bool) -> dict[str, float]:
     """label -> median microseconds per GEMV call."""
     base = nn.Linear(in_features, out_features, bias=False)
     x = torch.randn(1, in_features, dtype=torch.bfloat16)  # [1, K]: one decoding step
     fast = {BASELINE: [copy.deepcopy(base).to(torch.bfloat16) for _ in range(args.weights)]}
     fast.update(make_layers(base, [c for c in CONFIGS if not c[2]], args.weights))
+    fast.update(quanto_layers(base, args.weights))
     results = interleaved_medians(fast, x, args.warmup, args.rounds)
     if smallest:
         slow = make_layers(base, [c for c in CONFIGS if c[2]], args.weights)

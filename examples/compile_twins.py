@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
         compiled, which = systems[name]
         backbone.use(compiled and which == "backbone")
         twins.use(compiled and which == "twins")
-        config = RiverConfig(tau=-1.0, **fixed) if name.startswith("full-quant") else GenerationConfig(**fixed)
+        config = RiverConfig(tau=-1.0, exit_signal="cosine", **fixed) if name.startswith("full-quant") else GenerationConfig(**fixed)
         timing = time_generate(model, inputs, config)
         return 1000.0 / timing.decode_tokens_per_s
 

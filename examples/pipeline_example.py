@@ -17,7 +17,7 @@ from river_hf.models import load_model_and_tokenizer
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="hub id or local path (default: packaged SmolLM2-135M)")
-    parser.add_argument("--tau", type=float, default=0.97)
+    parser.add_argument("--tau", type=lambda text: text if text == "auto" else float(text), default="auto")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
 

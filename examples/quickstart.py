@@ -1,7 +1,7 @@
 """Quickstart: build a river on a causal LM and generate with token-level early exit.
 
     python examples/quickstart.py                       # the packaged SmolLM2-135M-Instruct
-    python examples/quickstart.py --model Qwen/Qwen2.5-0.5B-Instruct --tau 0.95
+    python examples/quickstart.py --model Qwen/Qwen2.5-0.5B-Instruct --tau 0.5
 """
 
 import argparse
@@ -13,19 +13,25 @@ from river_hf import RiverConfig, RiverQuantConfig
 from river_hf.models import build_chat_inputs, load_model_and_tokenizer
 
 
+def tau_value(text: str):
+    return text if text == "auto" else float(text)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="hub id or local path (default: packaged SmolLM2-135M)")
     parser.add_argument("--prompt", default="What is the capital of France? Answer in one sentence.")
-    parser.add_argument("--tau", type=float, default=0.97)
+    parser.add_argument("--tau", type=tau_value, default="auto",
+                        help="the confidence signal's threshold, or 'auto' (the default: measured per machine)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=torch.bfloat16)
-    # 1. Give every decoder layer from start_layer on a 4-bit HQQ twin that shares its KV-cache slot.
-    model = river_hf.build_river(model, RiverQuantConfig(nbits=4, group_size=64, start_layer=1))
+    # 1. Give every decoder layer from start_layer on an HQQ twin that shares its KV-cache slot (the defaults: 4-bit
+    #    twins for the first quarter of the layers, 8-bit after, and an 8-bit LM head for the steps that exit).
+    model = river_hf.build_river(model, RiverQuantConfig())
 
-    # 2. Generate as usual; the RiverConfig carries the exit threshold.
+    # 2. Generate as usual; the RiverConfig carries the exit settings (default: the confidence signal, tau 'auto').
     inputs = build_chat_inputs(tokenizer, args.prompt)
     out = model.generate(**inputs, generation_config=RiverConfig(tau=args.tau, max_new_tokens=args.max_new_tokens,
                                                                  do_sample=False),
@@ -35,6 +41,10 @@ def main(argv=None):
 
     # 3. The cache is complete (every layer holds every position) and records each position's exit depth.
     cache = out.cache
+    if not isinstance(cache, river_hf.RiverCache):  # tau 'auto' where exiting does not pay here: the backbone ran
+        print("nothing exited: on this machine a step on the twins is not faster than a backbone step")
+        river_hf.remove_river(model)
+        return out
     cache.check_kv_integrity()
     num_layers = len(river_hf.river_layers(model))
     print(f"mean exit depth {cache.mean_exit_depth():.2f} of {num_layers} layers, "

@@ -1,7 +1,7 @@
 """river_hf: seamless token-level early exit (River-LLM) for HuggingFace decoder-only LLMs.
 
-    model = river_hf.build_river(model, RiverQuantConfig(nbits=4, group_size=64, start_layer=1))
-    out = model.generate(input_ids, generation_config=RiverConfig(tau=0.97), return_dict_in_generate=True)
+    model = river_hf.build_river(model, RiverQuantConfig())   # 4-bit twins for the first quarter, 8-bit after
+    out = model.generate(input_ids, generation_config=RiverConfig(tau=0.5), return_dict_in_generate=True)
     out.cache.exit_depth          # backbone layers each position ran
 """
 

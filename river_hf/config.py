@@ -24,15 +24,23 @@ RIVER_QUANT_METHOD = "river"
 PER_ROW_NBITS = 8  # schedule entries and LM heads of this many bits are quantized per row (the int8 kernel's layout)
 OFFLOAD_DESTINATIONS = ("disk", "cpu")  # where river_hf.offload_backbone keeps offloaded backbone weights
 DEFAULT_OFFLOAD_MAX_SHARE = 0.05  # "auto" offloads backbone layers run by fewer than this share of decoded tokens
+# nbits="auto", the default: 4-bit twins for the first quarter of the river layers, 8-bit (per row) after. Measured on
+# SmolLM2 (docs/benchmarks.md, "Twin precision per layer"): exited tokens always run the deepest layers on twins, so
+# precision belongs there; all-4-bit twins lose 12 pp of match at full quantization, all-8-bit ones 20% of the speed.
+AUTO_NBITS = "auto"
+AUTO_SHALLOW_SHARE, AUTO_SHALLOW_BITS, AUTO_DEEP_BITS = 0.25, 4, 8
 
 
 @dataclass
 class RiverQuantConfig(QuantizationConfigMixin):
     """Configuration of the exit river: which layers get a quantized twin and how the twins are quantized."""
 
-    nbits: int | list[int] = field(
-        default=4,
-        metadata={"help": f"Bits per twin weight, each one of {SUPPORTED_NBITS}: one int for every twin, or a "
+    nbits: int | list[int] | str = field(
+        default=AUTO_NBITS,
+        metadata={"help": f"Bits per twin weight, each one of {SUPPORTED_NBITS}: 'auto' (the default: 4-bit twins for "
+                  f"the first quarter of the river layers, rounded down, and 8-bit per-row twins after: the most "
+                  f"faithful mix at a given speed in our measurements, as a rule that scales with depth), one int for "
+                  f"every twin, or a "
                   f"schedule, a list with one int per river layer (layers start_layer .. num_layers - 1, in order; "
                   f"its length must be num_layers - start_layer), e.g. 8 for the first river layers and 4 after. In "
                   f"a schedule, 8-bit layers are quantized with one group per output row (the int8 kernel's layout, "
@@ -63,7 +71,7 @@ class RiverQuantConfig(QuantizationConfigMixin):
                   f"int8pack_cpu for 8; CUDA: tinygemm_cuda)."},
     )
     quantize_lm_head: bool = field(
-        default=False,
+        default=True,
         metadata={"help": "Give the LM head a quantized copy, used only for the logits of steps that left the "
                   "backbone (tau > 1 and plain generate always use the original head). The original head, tied "
                   "or not, is never changed; remove_river and save_pretrained give it back."},
@@ -105,7 +113,7 @@ class RiverQuantConfig(QuantizationConfigMixin):
                     raise ValueError(f"`nbits`[{index}]={bits!r} is not supported; choose one of {SUPPORTED_NBITS} "
                                      f"(entry {index} is the twin of river layer start_layer + {index}).")
             self.nbits = [int(bits) for bits in self.nbits]
-        else:
+        elif self.nbits != AUTO_NBITS:
             check_choice("nbits", self.nbits, SUPPORTED_NBITS)
         check_choice("group_size", self.group_size, SUPPORTED_GROUP_SIZES)
         check_choice("axis", self.axis, (1,))  # the kernels need groups along the input dimension
@@ -178,29 +186,46 @@ class RiverQuantConfig(QuantizationConfigMixin):
 
     @property
     def is_schedule(self) -> bool:
-        """True when `nbits` is a per-layer list."""
-        return isinstance(self.nbits, list)
+        """True when the twins' bits vary by layer: `nbits` is a per-layer list, or 'auto'."""
+        return isinstance(self.nbits, list) or self.nbits == AUTO_NBITS
 
     def schedule_bits(self) -> list[int]:
         """Every bit width the twins use: the schedule, or [nbits]."""
+        if self.nbits == AUTO_NBITS:
+            return [AUTO_SHALLOW_BITS, AUTO_DEEP_BITS]
         return list(self.nbits) if self.is_schedule else [self.nbits]
 
-    def nbits_for(self, layer_idx: int) -> int:
-        """The bits of decoder layer `layer_idx`'s twin (layer_idx >= start_layer)."""
+    def resolved_nbits(self, num_layers: int) -> int | list[int]:
+        """`nbits` for a model of `num_layers` decoder layers: 'auto' becomes its per-layer schedule."""
+        if self.nbits != AUTO_NBITS:
+            return self.nbits
+        river_layers = num_layers - self.start_layer
+        shallow = int(river_layers * AUTO_SHALLOW_SHARE)
+        return [AUTO_SHALLOW_BITS] * shallow + [AUTO_DEEP_BITS] * (river_layers - shallow)
+
+    def nbits_for(self, layer_idx: int, num_layers: int | None = None) -> int:
+        """The bits of decoder layer `layer_idx`'s twin (layer_idx >= start_layer). nbits='auto' needs the model's
+        depth: `num_layers`, or the depth `check_model_depth` last saw (build_river checks it first)."""
         if not is_int(layer_idx) or layer_idx < self.start_layer:
             raise ValueError(f"layer {layer_idx!r} has no twin: the river starts at `start_layer`={self.start_layer}.")
-        if not self.is_schedule:
-            return self.nbits
+        nbits = self.nbits
+        if nbits == AUTO_NBITS:
+            depth = num_layers if num_layers is not None else getattr(self, "_model_depth", None)
+            if depth is None:
+                raise ValueError("`nbits`='auto' depends on the model's depth: pass `num_layers`, or build the river.")
+            nbits = self.resolved_nbits(depth)
+        if not isinstance(nbits, list):
+            return nbits
         position = layer_idx - self.start_layer
-        if position >= len(self.nbits):
+        if position >= len(nbits):
             raise ValueError(f"layer {layer_idx} is past the `nbits` schedule, which covers layers "
-                             f"{self.start_layer}..{self.start_layer + len(self.nbits) - 1}.")
-        return self.nbits[position]
+                             f"{self.start_layer}..{self.start_layer + len(nbits) - 1}.")
+        return nbits[position]
 
-    def group_size_for(self, layer_idx: int) -> int | None:
+    def group_size_for(self, layer_idx: int, num_layers: int | None = None) -> int | None:
         """The HQQ group size of layer `layer_idx`'s twin: `group_size`, except per row (None) for the 8-bit
         layers of a schedule. (A single `nbits=8` passes `group_size` on: the int8 kernel warns that it ignores it.)"""
-        bits = self.nbits_for(layer_idx)
+        bits = self.nbits_for(layer_idx, num_layers)
         return None if self.is_schedule and bits == PER_ROW_NBITS else self.group_size
 
     @property
@@ -217,7 +242,8 @@ class RiverQuantConfig(QuantizationConfigMixin):
                 f"`start_layer` must be between 1 and {num_layers - 1}."
             )
         expected = num_layers - self.start_layer
-        if self.is_schedule and len(self.nbits) != expected:
+        self._model_depth = num_layers  # not a field: nbits='auto' resolves against it, and it is never saved
+        if isinstance(self.nbits, list) and len(self.nbits) != expected:
             raise ValueError(
                 f"`nbits` has {len(self.nbits)} entries, but this model has {expected} river layers (decoder layers "
                 f"{self.start_layer}..{num_layers - 1}: num_layers {num_layers} - start_layer {self.start_layer}); "
@@ -237,6 +263,8 @@ def _plain(value):
 
 def bits_label(nbits) -> str:
     """For tables and messages: 4 -> '4'; a schedule [8, 8, 4] -> '8x2/4x1' (runs of equal bits)."""
+    if nbits == AUTO_NBITS:
+        return f"auto ({AUTO_SHALLOW_BITS} for the first quarter, {AUTO_DEEP_BITS} after)"
     if not isinstance(nbits, (list, tuple)):
         return str(nbits)
     runs: list[list[int]] = []

@@ -2,9 +2,9 @@
 with each token coloured by its exit depth. Plain functions of a finished `generate` call, usable from a notebook:
 
     clock = TokenClock(then=TextStreamer(tokenizer, skip_prompt=True))
-    out = model.generate(**inputs, streamer=clock, return_dict_in_generate=True, tau=0.97)
+    out = model.generate(**inputs, streamer=clock, return_dict_in_generate=True, tau=0.5)
     depths = token_exit_depths(out.cache, prompt_length, new_tokens)
-    print(GenerationStats.collect(clock, num_layers, depths).summary_line("tau 0.97"))
+    print(GenerationStats.collect(clock, num_layers, depths).summary_line("confidence tau 0.5"))
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class GenerationStats:
         parts = [f"{self.new_tokens} new tokens", f"decode {self.decode_tokens_per_s:.1f} tok/s",
                  f"prefill {self.prefill_s:.2f} s"]
         if self.mean_exit_depth is None:
-            parts.append(f"river off: every token ran all {self.num_layers} layers")
+            parts.append(f"river off: every token ran all {self.num_layers} layers" + (f" ({river})" if river else ""))
         else:
             parts.append(f"mean exit depth {self.mean_exit_depth:.1f} of {self.num_layers} layers")
             parts.append(f"{self.exit_share:.0%} of tokens exited early ({river})")

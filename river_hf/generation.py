@@ -17,9 +17,10 @@ from .cache import RiverCache
 from .config import RiverQuantConfig
 from .layers import backbone_layers, river_layers, twins_prefill_faster
 from .lm_head import original_lm_head
+from .defaults import FULL_EXIT, NEVER_EXITS, ExitGain, auto_settings, measure_exit_gain
 from .lossless import LosslessCache, lossless_generate_kwargs
 from .router import ExitRouter
-from .settings import RIVER_FIELDS, RiverSettings, river_field_defaults, river_fields_doc
+from .settings import AUTO_TAU, RIVER_FIELDS, RiverSettings, river_field_defaults, river_fields_doc
 from .strategies import make_strategy
 from . import twin_store
 
@@ -88,6 +89,11 @@ class RiverGenerationMixin:
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
         settings = river_settings_from(generation_config, kwargs, model_default=self.generation_config)
+        if settings is not None and settings.tau == AUTO_TAU:  # None where exiting does not pay on this machine
+            resolved = auto_settings(settings, river_layers(self), lambda: measure_river_exit_gain(self))
+            # a RiverCache the caller passed still gets its exit record (every step at full depth)
+            passed_cache = isinstance(kwargs.get("cache", kwargs.get("past_key_values")), RiverCache)
+            settings = dataclasses.replace(settings, tau=NEVER_EXITS) if resolved is None and passed_cache else resolved
         if settings is not None:
             kwargs["cache"] = self._river_cache(settings, kwargs)
             if settings.lossless:  # the river drafts, the backbone verifies (river_hf.lossless)
@@ -150,6 +156,9 @@ def _river_quant_config_saved(model, save_twins: bool):
 def new_river_cache(model, settings: RiverSettings, attention_mask=None, cache: RiverCache | None = None) -> RiverCache:
     """A RiverCache with a fresh router for `model` (for generate, or for driving the model's forward yourself)."""
     layers = river_layers(model)
+    if settings.tau == AUTO_TAU:  # driving the forward yourself: where exiting does not pay, nothing exits
+        measured = auto_settings(settings, layers, lambda: measure_river_exit_gain(model))
+        settings = measured or dataclasses.replace(settings, tau=NEVER_EXITS)
     text_config = model.config.get_text_config(decoder=True)
     strategy = make_strategy(settings.kv_strategy, layers, text_config)
     if strategy.runs_prompt_on_backbone:
@@ -164,6 +173,11 @@ def new_river_cache(model, settings: RiverSettings, attention_mask=None, cache: 
         cache = RiverCache(config=text_config, num_layers=len(layers))
     cache.router, cache.num_layers, cache.strategy = router, len(layers), strategy
     return cache
+
+
+def measure_river_exit_gain(model) -> ExitGain:
+    """Time `model`'s decode step on the backbone against one exited at the river's start (river_hf.defaults)."""
+    return measure_exit_gain(model, new_river_cache(model, FULL_EXIT))
 
 
 def _min_exit_depth(settings: RiverSettings, strategy, start_layer: int, num_layers: int) -> int:

@@ -15,10 +15,13 @@ from .checks import check_choice, is_int
 from .signals import EXIT_POLICIES, signal_names
 from .strategies import strategy_names
 
-# Exit threshold on cos(h_in, h_out), chosen for the packaged SmolLM2-135M with 4-bit group-64 twins: the fastest tau
-# of a measured sweep whose teacher-forced next-token match stays >= 90% (docs/benchmarks.md). The paper's 0.5-0.9
-# suits Llama-3; on SmolLM2 it exits nearly every token after 2 layers.
-DEFAULT_TAU = 0.975
+AUTO_TAU = "auto"  # tau's default: the signal's entry below where exiting pays on this machine (river_hf.defaults)
+# The default tau of each signal, measured on the packaged SmolLM2-135M with the default twins (4-bit for the first
+# quarter of the river layers, 8-bit after, 8-bit LM head), GSM8K and chat prompts (docs/benchmarks.md, "Defaults").
+# confidence's tau is a probability, so it means the same on any model; a cosine's depends on the model (the
+# paper's 0.5-0.9 suits Llama-3; on SmolLM2 it exits nearly every token after 2 layers).
+DEFAULT_TAUS = {"confidence": 0.3, "cosine": 0.975}
+DEFAULT_TAU = DEFAULT_TAUS["cosine"]  # the paper's signal's default, for the bench's cosine sweeps
 PREFILL_EXITS = ("auto", "sequence", "none")
 DRAFT_HEURISTIC = "heuristic"  # num_draft_tokens: adapt the draft length to the acceptance
 
@@ -27,10 +30,13 @@ DRAFT_HEURISTIC = "heuristic"  # num_draft_tokens: adapt the draft length to the
 class RiverSettings:
     """How one `generate` call exits. Bad values raise `ValueError` naming the field."""
 
-    tau: float = field(default=DEFAULT_TAU, metadata={"help": (
-        "Exit threshold of the exit signal (the paper's: cos(h_in, h_out) of a backbone layer). A value above 1 "
-        "never exits (the output equals the backbone's token for token); -1 exits as early as allowed, at "
-        "`start_layer` (the paper's full quantization).")})
+    tau: float | str = field(default=AUTO_TAU, metadata={"help": (
+        "Exit threshold of the exit signal (confidence: the previous token's top-1 probability; the paper's cosine: "
+        "cos(h_in, h_out) of a backbone layer). A value above 1 never exits (the output equals the backbone's token "
+        "for token); -1 exits as early as allowed, at `start_layer` (the paper's full quantization). 'auto': the "
+        "signal's measured default (confidence 0.3, cosine 0.975) where exiting pays on this machine; where a step "
+        "on the twins is not faster than a backbone step (measured once per river), nothing exits and generate "
+        "runs the plain backbone, with a warning.")})
     prefill_exit: str | int = field(default="auto", metadata={"help": (
         "How the prompt exits: 'sequence' = one switch layer for all prompt tokens, from their mean score (the "
         "paper's); 'none' = the full backbone; an int k = switch after k backbone layers; 'auto' = 'sequence' where "
@@ -44,10 +50,11 @@ class RiverSettings:
     min_exit_layer: int | None = field(default=None, metadata={"help": (
         "No token exits before this many backbone layers (default: the river's start layer; half the layers for "
         "'mask').")})
-    exit_signal: str = field(default="cosine", metadata={"help": (
-        "What decides an exit: 'cosine' (the paper's), 'cosine_first' (decided once, at `signal_layer`), "
-        "'update_norm' (1 - |h_out - h_in| / |h_in|), 'confidence' (the previous token's top-1 probability, decided "
-        "once) or 'random' (the honest baseline; needs `exit_rate`).")})
+    exit_signal: str = field(default="confidence", metadata={"help": (
+        "What decides an exit: 'confidence' (the previous token's top-1 probability, decided once: the most faithful "
+        "at a given speed in our measurements), 'cosine' (the paper's), 'cosine_first' (decided once, at "
+        "`signal_layer`), 'update_norm' (1 - |h_out - h_in| / |h_in|) or 'random' (the honest baseline; needs "
+        "`exit_rate`).")})
     exit_rate: float | None = field(default=None, metadata={"help": (
         "exit_signal='random' only: the probability that a decoded token exits.")})
     seed: int | None = field(default=None, metadata={"help": "exit_signal='random' only: its generator's seed."})
@@ -69,7 +76,8 @@ class RiverSettings:
 
     def __post_init__(self):
         _check_tau(self.tau)
-        object.__setattr__(self, "tau", float(self.tau))
+        if self.tau != AUTO_TAU:
+            object.__setattr__(self, "tau", float(self.tau))
         if not (self.prefill_exit in PREFILL_EXITS or (is_int(self.prefill_exit) and self.prefill_exit >= 1)):
             raise ValueError(f"`prefill_exit`={self.prefill_exit!r} is not supported; use one of {PREFILL_EXITS} or "
                              f"an int >= 1 (the number of backbone layers every prompt token runs).")
@@ -128,6 +136,8 @@ def river_fields_doc(indent: str = "    ") -> str:
 
 
 def _check_tau(tau) -> None:
+    if tau == AUTO_TAU:
+        return
     if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or math.isnan(tau):
         raise ValueError(f"`tau` must be a real number (the exit threshold: > 1 never exits, -1 exits as early as "
-                         f"allowed); got {tau!r}.")
+                         f"allowed) or {AUTO_TAU!r} (the measured default); got {tau!r}.")

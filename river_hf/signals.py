@@ -129,6 +129,7 @@ class ExitSignal:
 
     name = ""
     needs_logits = False  # True: the model hands it every river pass's logits (`observe_logits`)
+    reads_tau = True  # False: it ignores tau (then tau 'auto' needs no measured default, and exits are not guarded)
 
     @classmethod
     def from_settings(cls, settings, num_layers: int) -> ExitSignal:
@@ -176,6 +177,11 @@ class ThresholdSignal(ExitSignal):
 
 
 SIGNALS: dict[str, type[ExitSignal]] = {}  # name -> class; `register_signal` adds to it
+
+
+def reads_tau(name: str) -> bool:
+    """Whether signal `name` compares a score with tau (random routing, a scripted test signal: no)."""
+    return SIGNALS[name].reads_tau if name in SIGNALS else True
 
 
 def register_signal(cls: type[ExitSignal]) -> type[ExitSignal]:
@@ -284,6 +290,7 @@ class RandomExit(ExitSignal):
     """No signal: each step exits with probability `exit_rate`, at a uniformly drawn eligible depth."""
 
     name = "random"
+    reads_tau = False
 
     def __init__(self, exit_rate: float, num_layers: int, seed: int | None = None):
         self.exit_rate = float(exit_rate)

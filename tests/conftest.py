@@ -66,6 +66,11 @@ def river_of(model, start_layer: int = 2, **quant):
     wins a timing on a tiny layer depends on the machine, and these tests check behaviour, not speed
     (tests/test_kernel_choice.py covers `backend="fastest"`)."""
     quant.setdefault("backend", "auto")
+    # The invariant tests compare against `plain_copy_with_twins` (layers only) and count exits per layer: uniform
+    # 4-bit twins and the backbone's own head keep them simple (the defaults, mixed bits and an 8-bit head, have
+    # their own tests).
+    quant.setdefault("nbits", 4)
+    quant.setdefault("quantize_lm_head", False)
     return river_hf.build_river(model, RiverQuantConfig(start_layer=start_layer, **quant), progress=False)
 
 
@@ -89,6 +94,8 @@ def generate(model, ids, mask=None, *, max_new_tokens: int = 12, output_logits: 
     `output_logits`). `config`: GenerationConfig fields; any river field (tau, exit_signal, kv_strategy...) makes it a
     RiverConfig, else a plain GenerationConfig (on a river model: the backbone). `mask` defaults to all ones."""
     cls = RiverConfig if RIVER_FIELDS & config.keys() else GenerationConfig
+    if cls is RiverConfig:  # these tests' taus are cosines (mixed_tau...): the paper's signal unless one is named
+        config.setdefault("exit_signal", "cosine")
     config = cls(**{"max_new_tokens": max_new_tokens, "do_sample": False, **config}, return_dict_in_generate=True,
                  output_logits=output_logits)
     return model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
@@ -169,6 +176,7 @@ class ScriptedExit(ExitSignal):
     more never exits. Each router (each generate call) starts the plan from the beginning."""
 
     name = "scripted"
+    reads_tau = False  # tau 'auto' (the default) leaves it alone
     plan: tuple[int, ...] = ()  # set on the subclass `scripted_exits` registers
 
     def __init__(self):

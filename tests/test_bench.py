@@ -14,12 +14,12 @@ from river_hf.bench.fidelity import backbone_references, compare, measure_fideli
 from river_hf.bench.speed import interleaved, median_rate
 from river_hf import RiverSettings
 
-from conftest import plain_copy_with_twins, tiny_model
+from conftest import plain_copy_with_twins, river_of, tiny_model
 
 
 @pytest.fixture(scope="module")
 def river_model():
-    return river_hf.build_river(tiny_model(), progress=False)
+    return river_of(tiny_model(), start_layer=1)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_tau_above_one_is_perfectly_faithful(river_model, references):
 
 
 def test_full_quantization_fidelity_is_measured_against_the_twin_model(river_model, references):
-    fidelity = measure_fidelity(river_model, references, RiverSettings(tau=-1))
+    fidelity = measure_fidelity(river_model, references, RiverSettings(tau=-1, exit_signal="cosine"))
     assert fidelity.mean_exit_depth == 1
     full_quant = plain_copy_with_twins(river_model)
     pooled = [compare(ref.logits, teacher_forced_logits(full_quant, ref.prompt_ids, ref.continuation, None)[0])
@@ -57,7 +57,7 @@ def test_compare_counts_argmax_agreement_and_kl():
 def test_interleaved_timing_runs_every_system_on_every_prompt(river_model):
     prompts = [{"input_ids": torch.randint(3, 256, (1, 5))} for _ in range(2)]
     fixed = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
-    systems = {"backbone": GenerationConfig(**fixed), "river": RiverConfig(tau=-1, **fixed)}
+    systems = {"backbone": GenerationConfig(**fixed), "river": RiverConfig(tau=-1, exit_signal="cosine", **fixed)}
     timings = interleaved(river_model, systems, prompts, rounds=2)
     assert {name: len(runs) for name, runs in timings.items()} == {"backbone": 4, "river": 4}
     assert all(t.new_tokens == 4 and t.decode_tokens_per_s > 0 for runs in timings.values() for t in runs)

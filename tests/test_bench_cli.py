@@ -46,7 +46,8 @@ def bench_run(tmp_path_factory):
         code = main(["bench", "--model", model_dir, "--data", data, "--taus", "-1", "0.8", "1.5", "--prompts",
                      str(PROMPTS), "--rounds", str(ROUNDS), "--max-new-tokens", str(TOKENS), "--fidelity-prompts",
                      "2", "--fidelity-tokens", "5", "--exit-rates", "0.5", "--signals", "update_norm",
-                     "--signal-taus", "0.5", "--backend", "auto", "--output", str(output)])
+                     "--signal-taus", "0.5", "--backend", "auto", "--nbits", "4", "--no-quantize-lm-head",
+                     "--output", str(output)])
     assert code == 0
     return json.loads(output.read_text()), stdout.getvalue(), output
 
@@ -87,8 +88,10 @@ def test_record_schema(bench_run):
     assert memory["backbone_weight_bytes"] > memory["twin_weight_bytes"] > 0
     assert memory["process_peak_rss_bytes"] >= memory["process_peak_rss_after_build_bytes"] > 0
     names = [system["name"] for system in record["systems"]]
-    assert names == ["backbone", "full-quant", "static-full-quant", "tau=0.8", "tau=1.5", "update_norm tau=0.5",
-                     "random p=0.5"]
+    assert names[3].startswith("defaults (")  # tau 'auto', resolved by this machine's measured ExitGain
+    assert names[:3] + names[4:] == ["backbone", "full-quant", "static-full-quant", "tau=0.8", "tau=1.5",
+                                     "update_norm tau=0.5", "random p=0.5"]
+    assert record["exit_gain"]["backbone_ms"] > 0 and isinstance(record["exit_gain"]["pays"], bool)
 
 
 def test_every_run_is_recorded_raw(bench_run):
@@ -242,7 +245,7 @@ def test_static_full_quant_shares_every_tensor_and_leaves_the_river_alone():
     assert all(t.data_ptr() in river_tensors for t in (*static.parameters(), *static.buffers()))
     assert not river_hf.is_river(static)
     assert all(isinstance(layer, river_hf.RiverLayer) for layer in river_hf.architectures.find_decoder_layers(model))
-    expected = model.generate(ids, max_new_tokens=5, do_sample=False, tau=-1)
+    expected = model.generate(ids, max_new_tokens=5, do_sample=False, tau=-1, exit_signal="cosine")
     assert torch.equal(static.generate(ids, max_new_tokens=5, do_sample=False), expected)
 
 

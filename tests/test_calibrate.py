@@ -18,6 +18,7 @@ from river_hf import RiverSettings
 from conftest import save_tiny_model
 
 TOKENS = 12
+TWINS = ("--nbits", "4", "--no-quantize-lm-head")  # 4-bit twins miss tokens on the tiny model; 8-bit ones do not
 QUESTIONS = ["what is two plus three?", "hello world", "the answer is five"]
 
 
@@ -113,7 +114,7 @@ def tiny_references(tiny):
     """(river model, backbone references) exactly as `river-hf calibrate` builds them for the tiny model."""
     model_dir, data = tiny
     model, tokenizer = load_model_and_tokenizer(model_dir)
-    river_hf.build_river(model, RiverQuantConfig(), progress=False)
+    river_hf.build_river(model, RiverQuantConfig(nbits=4, quantize_lm_head=False), progress=False)
     ids = [build_chat_inputs(tokenizer, q)["input_ids"] for q in QUESTIONS]
     return model, [backbone_references(model, [i], TOKENS)[0] for i in ids]
 
@@ -121,36 +122,44 @@ def tiny_references(tiny):
 def calibrate_cli(tiny, *extra):
     model_dir, data = tiny
     return main(["calibrate", "--model", model_dir, "--data", data, "--tokens", str(TOKENS), "--prompts", "3",
-                 *extra])
+                 *TWINS, *extra])
 
 
 def test_calibrated_tau_meets_the_target_and_generate_reads_it_back(tiny, tiny_references, tmp_path, monkeypatch,
                                                                      capsys):
     monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
     model, references = tiny_references
-    full_quant = measure_fidelity(model, references, RiverSettings(tau=-1)).match
+    full_quant = measure_fidelity(model, references, RiverSettings(tau=-1, exit_signal="cosine")).match
     assert full_quant < 1.0, "the tiny model's twins should miss some tokens"
     target = (full_quant + 1.0) / 2
     assert calibrate_cli(tiny, "--target-match", str(target)) == 0
     entry = next(iter(json.loads((tmp_path / "calibration.json").read_text())["entries"].values()))
     assert entry["tau"] > -1.0 and entry["match"] >= target
-    remeasured = measure_fidelity(model, references, RiverSettings(tau=entry["tau"]))
+    remeasured = measure_fidelity(model, references, RiverSettings(tau=entry["tau"], exit_signal="cosine"))
     assert remeasured.match >= target and remeasured.match == pytest.approx(entry["match"])
     assert "use it with `river-hf generate ... --tau auto`" in capsys.readouterr().out
 
-    assert main(["generate", "what is two plus three?", "--model", tiny[0], "--tau", "auto",
-                 "--max-new-tokens", "3"]) == 0
+    assert main(["generate", "what is two plus three?", "--model", tiny[0], "--tau", "auto", "--exit-signal",
+                 "cosine", *TWINS, "--max-new-tokens", "3"]) == 0
     captured = capsys.readouterr()
     assert f"tau auto: {entry['tau']:g}" in captured.err
-    assert f"(tau {entry['tau']:g}, 4-bit twins" in captured.out
+    assert f"(cosine tau {entry['tau']:g}, 4-bit twins" in captured.out
 
 
-def test_tau_auto_without_a_calibration_says_to_calibrate(tiny, tmp_path, monkeypatch, capsys):
+def test_tau_auto_without_a_calibration_takes_the_measured_default(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
-    with pytest.raises(SystemExit) as info:
-        main(["generate", "hi", "--model", tiny[0], "--tau", "auto", "--nbits", "8"])
-    assert info.value.code == 2
-    assert "no calibration saved" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", tiny[0], "--tau", "auto", "--exit-signal", "cosine", *TWINS,
+                 "--max-new-tokens", "2"]) == 0
+    assert "no `river-hf calibrate` result saved" in capsys.readouterr().err
+
+
+def test_a_cosine_calibration_is_not_used_for_another_signal(tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    assert calibrate_cli(tiny, "--target-match", "0.5") == 0
+    capsys.readouterr()
+    assert main(["generate", "hi", "--model", tiny[0], *TWINS, "--max-new-tokens", "2"]) == 0  # confidence
+    err = capsys.readouterr().err
+    assert "calibrated" not in err and "the confidence signal's measured default" in err
 
 
 def test_an_unreachable_target_is_a_usage_error_with_the_best_match(tiny, tmp_path, monkeypatch, capsys):

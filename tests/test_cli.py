@@ -16,7 +16,6 @@ from river_hf.display import (
     token_exit_depths,
     token_pieces,
 )
-from river_hf.settings import DEFAULT_TAU
 from conftest import make_tiny_tokenizer, save_tiny_model
 
 NUM_LAYERS = 4
@@ -52,7 +51,7 @@ def test_river_exiting_as_early_as_allowed(tiny_model_dir, capsys):
     captured = capsys.readouterr()
     line = summary_line(captured.out)
     assert f"mean exit depth 1.0 of {NUM_LAYERS} layers" in line
-    assert "100% of tokens exited early (tau -1, 4-bit twins, group 64, from layer 1)" in line
+    assert "100% of tokens exited early (confidence tau -1, 8x3-bit twins, group 64, from layer 1)" in line
     assert "building river: quantizing 3 layers" in captured.err
 
 
@@ -133,8 +132,10 @@ def test_a_subcommand_is_required(capsys):
 
 def test_defaults():
     args = build_parser().parse_args(["generate", "hi"])
-    assert (args.tau, args.nbits, args.group_size, args.start_layer, args.max_new_tokens) == (
-        DEFAULT_TAU, 4, 64, 1, 128)
+    assert (args.tau, args.exit_signal, args.nbits, args.group_size, args.start_layer, args.max_new_tokens) == (
+        "auto", "confidence", "auto", 64, 1, 128)
+    assert args.quantize_lm_head and not build_parser().parse_args(["generate", "hi", "--no-quantize-lm-head"]
+                                                                    ).quantize_lm_head
     assert args.model is None and not args.no_river
 
 

@@ -62,7 +62,7 @@ def test_generate_seed_is_the_sampling_seed_not_the_random_signal_seed():
     args = build_parser().parse_args(["generate", "hi", "--seed", "7", "--min-exit-layer", "2"])
     settings = river_settings(args)
     assert args.seed == 7 and "seed" not in settings
-    assert settings["min_exit_layer"] == 2 and settings["exit_signal"] == "cosine"
+    assert settings["min_exit_layer"] == 2 and settings["exit_signal"] == "confidence"
 
 
 def test_min_exit_layer_reaches_the_river(tiny_dir, capsys):
@@ -131,7 +131,8 @@ def test_bench_eval_and_plot_write_inside_an_output_folder(tiny_dir, questions, 
     assert main(["eval", "gsm8k", "--model", tiny_dir, "--data", str(gsm8k), "--shots", "0", "--max-new-tokens",
                  "2", "--taus", "1.5", "--output", str(out)]) == 0
     [report] = out.glob("eval-gsm8k-*.json")
-    assert set(json.loads(report.read_text())["systems"]) == {"backbone", "full-quant (tau=-1)", "river tau=1.5"}
+    assert set(json.loads(report.read_text())["systems"]) == {"backbone", "full-quant (tau=-1)",
+                                                              "river confidence tau=1.5"}
     assert main(["plot", str(record), "--output", str(out)]) == 0
     [png] = out.glob("plot-*.png")
     assert str(png) in capsys.readouterr().out
@@ -183,7 +184,7 @@ def test_build_chat_inputs_completes_plain_text_or_templates_messages():
 @pytest.fixture(scope="module")
 def river(tiny_dir):
     model, tokenizer = load_model_and_tokenizer(tiny_dir)
-    return river_hf.build_river(model, river_hf.RiverQuantConfig(), progress=False), tokenizer
+    return river_hf.build_river(model, river_hf.RiverQuantConfig(nbits=4), progress=False), tokenizer
 
 
 def test_evaluate_runs_every_system_on_a_task_of_plain_values(river):

@@ -53,7 +53,7 @@ def test_an_explicit_backend_must_run_every_width_asked_of_it():
         RiverQuantConfig(nbits=[8, 4], backend="int4pack_cpu")
     with pytest.raises(ValueError, match="`backend`='int8pack_cpu'.*`lm_head_nbits` asks for 4"):
         RiverQuantConfig(nbits=8, backend="int8pack_cpu", quantize_lm_head=True, lm_head_nbits=4)
-    RiverQuantConfig(nbits=8, backend="int8pack_cpu", lm_head_nbits=4)  # the head is not quantized: nothing to run
+    RiverQuantConfig(nbits=8, backend="int8pack_cpu", quantize_lm_head=False, lm_head_nbits=4)  # no head to run
     RiverQuantConfig(nbits=[8, 4, 2], backend="hqq", quantize_lm_head=True)
 
 
@@ -69,7 +69,7 @@ def test_schedule_and_lm_head_round_trip_through_dict_and_json(tmp_path):
     loaded = json.loads(path.read_text())
     assert loaded["nbits"] == [8, 8, 4] and loaded["quantize_lm_head"] is True and loaded["lm_head_nbits"] == 4
     assert RiverQuantConfig.from_dict(loaded) == config
-    assert not RiverQuantConfig().quantize_lm_head and RiverQuantConfig().lm_head_nbits == 8  # defaults
+    assert RiverQuantConfig().quantize_lm_head and RiverQuantConfig().lm_head_nbits == 8  # defaults
 
 
 @pytest.mark.parametrize("tau", ["abc", None, True, math.nan, [0.5]])

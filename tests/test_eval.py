@@ -158,13 +158,14 @@ def test_eval_gsm8k_writes_the_json_schema(saved_tiny_model, tmp_path, capsys):
                  "--shots", "2", "--limit", "2", "--max-new-tokens", "4", "--taus", "0.5", "1.5",
                  "--output", str(output)]) == 0
     report = json.loads(output.read_text())
-    names = [BACKBONE, FULL_QUANT, "river tau=0.5", "river tau=1.5"]
+    names = [BACKBONE, FULL_QUANT, "river confidence tau=0.5", "river confidence tau=1.5"]
     assert list(report["systems"]) == names
     for summary in report["systems"].values():
         assert 0 <= summary["accuracy"] <= 1 and summary["total"] == 2
     assert report["systems"][BACKBONE]["mean_exit_depth"] == 6
     assert report["systems"][FULL_QUANT]["mean_exit_depth"] == 1
-    assert report["twins"]["nbits"] == 4 and report["twins"]["start_layer"] == 1
+    assert report["twins"]["nbits"] == [4, 8, 8, 8, 8] and report["twins"]["nbits_rule"] == "auto"  # the default
+    assert report["twins"]["start_layer"] == 1
     assert [record["id"] for record in report["records"]] == ["test-0", "test-1"]
     for record in report["records"]:
         assert record["gold"] == "7" and list(record["systems"]) == names
@@ -172,7 +173,7 @@ def test_eval_gsm8k_writes_the_json_schema(saved_tiny_model, tmp_path, capsys):
                    for r in record["systems"].values())
         assert record["systems"][FULL_QUANT]["mean_exit_depth"] == 1
     out = capsys.readouterr().out
-    assert "| backbone |" in out and "twins: 4-bit HQQ" in out
+    assert "| backbone |" in out and "twins: 4x1/8x4-bit HQQ" in out
 
 
 def test_eval_errors_name_the_argument(tmp_path, capsys):

@@ -113,7 +113,7 @@ def test_streamer_sees_the_generated_tokens(prompt_ids):
 
     model = river_of(tiny_model())
     streamer = Collect()
-    out = model.generate(prompt_ids[:1], generation_config=RiverConfig(tau=0.8, max_new_tokens=6, do_sample=False),
+    out = model.generate(prompt_ids[:1], generation_config=RiverConfig(tau=0.8, exit_signal="cosine", max_new_tokens=6, do_sample=False),
                          streamer=streamer)
     assert streamer.tokens == out[0].tolist()  # the prompt, then each new token
 
@@ -144,7 +144,8 @@ def test_prefill_exit_options(prompt_ids):
 
 def test_river_settings_as_generate_kwargs(prompt_ids):
     model = river_of(tiny_model())
-    out = model.generate(prompt_ids, max_new_tokens=4, do_sample=False, tau=-1, return_dict_in_generate=True)
+    out = model.generate(prompt_ids, max_new_tokens=4, do_sample=False, tau=-1, exit_signal="cosine",
+                         return_dict_in_generate=True)
     assert (out.cache.exit_depth == START).all()
 
 

@@ -14,7 +14,7 @@ PROMPT = "w5 w9 w33 w70 w12"
 
 
 def test_from_pretrained_with_quantization_config_builds_the_river(saved_tiny_model):
-    model = AutoModelForCausalLM.from_pretrained(saved_tiny_model, quantization_config=RiverQuantConfig(start_layer=3))
+    model = AutoModelForCausalLM.from_pretrained(saved_tiny_model, quantization_config=RiverQuantConfig(start_layer=3, backend="auto"))
     assert river_hf.is_river(model)
     layers = river_hf.river_layers(model)
     assert [layer.twin is not None for layer in layers] == [False] * 3 + [True] * 3
@@ -28,7 +28,7 @@ def test_pipeline_runs_the_river(saved_tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(saved_tiny_model)
     model = river_hf.build_river(AutoModelForCausalLM.from_pretrained(saved_tiny_model), progress=False)
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
-    config = RiverConfig(tau=-1, max_new_tokens=6, do_sample=False)
+    config = RiverConfig(tau=-1, exit_signal="cosine", max_new_tokens=6, do_sample=False)
     token_ids = generator(PROMPT, generation_config=config, return_tensors=True)[0]["generated_token_ids"]
     # the same tokens as a plain model whose layers from start_layer on are the twins (full quantization)
     reference = plain_copy_with_twins(model)
@@ -42,7 +42,7 @@ def test_pipeline_runs_the_river(saved_tiny_model):
 
 def test_model_generation_config_with_tau_makes_the_river_the_default(saved_tiny_model):
     model = river_hf.build_river(AutoModelForCausalLM.from_pretrained(saved_tiny_model), progress=False)
-    model.generation_config = RiverConfig(tau=-1, max_new_tokens=4, do_sample=False)
+    model.generation_config = RiverConfig(tau=-1, exit_signal="cosine", max_new_tokens=4, do_sample=False)
     out = model.generate(torch.tensor([[5, 9, 33]]), return_dict_in_generate=True)
     assert (out.cache.exit_depth == 1).all()
 
@@ -61,7 +61,7 @@ def test_save_writes_the_backbone_and_reloading_rebuilds_the_river(saved_tiny_mo
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "river")  # quantization_config came with config.json
     assert river_hf.is_river(reloaded)
     ids = torch.tensor([[5, 9, 33, 70]])
-    config = RiverConfig(tau=-1, max_new_tokens=5, do_sample=False)
+    config = RiverConfig(tau=-1, exit_signal="cosine", max_new_tokens=5, do_sample=False)
     assert torch.equal(reloaded.generate(ids, generation_config=config), model.generate(ids, generation_config=config))
 
 

@@ -176,7 +176,7 @@ def test_confidence_signal_reads_the_logits_of_the_last_kept_token(prompt):
 # ---- the fallback rule ------------------------------------------------------------------------------------------
 def timed_lossless(model, ids, clock):
     """k=4, tau=-1, 24 tokens, with the fallback, timed by `clock` (generate's `draft_clock`)."""
-    config = RiverConfig(tau=-1.0, lossless=True, num_draft_tokens=4, max_new_tokens=24, do_sample=False,
+    config = RiverConfig(tau=-1.0, exit_signal="cosine", lossless=True, num_draft_tokens=4, max_new_tokens=24, do_sample=False,
                          return_dict_in_generate=True)
     return model.generate(ids, generation_config=config, draft_clock=clock)
 
@@ -268,7 +268,7 @@ def test_sampling_end_to_end_follows_the_backbone(prompt):
 def _river_cache(model):
     from river_hf.generation import new_river_cache
 
-    return new_river_cache(model, RiverSettings(tau=-1.0))
+    return new_river_cache(model, RiverSettings(tau=-1.0, exit_signal="cosine"))
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------

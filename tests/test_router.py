@@ -8,7 +8,7 @@ import torch
 from river_hf import RiverSettings
 from river_hf.router import ExitRouter
 from river_hf.signals import batch_passes, min_token_cosine, sequence_similarity, token_similarity
-from river_hf.signals import Cosine, CosineAtOneLayer, RandomExit, UpdateNorm
+from river_hf.signals import Cosine, CosineAtOneLayer, PreviousConfidence, RandomExit, UpdateNorm
 
 from conftest import run_step, states_with_cosines
 
@@ -48,37 +48,38 @@ def test_batch_min_needs_every_row():
 
 
 def test_decode_exits_after_the_first_layer_whose_batch_min_passes():
-    router = ExitRouter(RiverSettings(tau=0.9), start_layer=1, num_layers=5)
+    router = ExitRouter(RiverSettings(exit_signal="cosine", tau=0.9), start_layer=1, num_layers=5)
     assert run_step(router, [[0.1, 0.2], [0.95, 0.5], [0.95, 0.93], [0.99, 0.99]]) == 3
 
 
 def test_no_exit_before_start_layer_nor_after_the_last_layer():
-    router = ExitRouter(RiverSettings(tau=0.5), start_layer=3, num_layers=4)
+    router = ExitRouter(RiverSettings(exit_signal="cosine", tau=0.5), start_layer=3, num_layers=4)
     assert run_step(router, [[0.9], [0.9], [0.9], [0.9]]) == 3  # layers 0, 1 pass but have no twin after them
     assert run_step(router, [[0.1], [0.1], [0.1], [0.99]]) == 4  # passing at the last layer is not an exit
 
 
 def test_tau_extremes():
-    never = ExitRouter(RiverSettings(tau=1.01), start_layer=1, num_layers=4)
+    never = ExitRouter(RiverSettings(exit_signal="cosine", tau=1.01), start_layer=1, num_layers=4)
     assert run_step(never, [[1.0]] * 4) == 4
-    always = ExitRouter(RiverSettings(tau=-1), start_layer=2, num_layers=4)
+    always = ExitRouter(RiverSettings(exit_signal="cosine", tau=-1), start_layer=2, num_layers=4)
     assert run_step(always, [[-1.0]] * 4) == 2
 
 
 def test_prefill_uses_the_fixed_or_no_exit():
-    assert run_step(ExitRouter(RiverSettings(tau=-1, prefill_exit="none"), 1, 4), [[0.0]] * 4, 5, first=True) == 4
-    assert run_step(ExitRouter(RiverSettings(tau=-1, prefill_exit=3), 1, 4), [[0.0]] * 4, 5, first=True) == 3
+    assert run_step(ExitRouter(RiverSettings(exit_signal="cosine", tau=-1, prefill_exit="none"), 1, 4), [[0.0]] * 4, 5, first=True) == 4
+    assert run_step(ExitRouter(RiverSettings(exit_signal="cosine", tau=-1, prefill_exit=3), 1, 4), [[0.0]] * 4, 5, first=True) == 3
     # a fixed prefill exit below start_layer is lifted to start_layer
-    assert run_step(ExitRouter(RiverSettings(tau=2, prefill_exit=1), 2, 4), [[0.0]] * 4, 5, first=True) == 2
+    assert run_step(ExitRouter(RiverSettings(exit_signal="cosine", tau=2, prefill_exit=1), 2, 4), [[0.0]] * 4, 5, first=True) == 2
     # and a decode step after it is token-level again
-    router = ExitRouter(RiverSettings(tau=0.5, prefill_exit="none"), 1, 4)
+    router = ExitRouter(RiverSettings(exit_signal="cosine", tau=0.5, prefill_exit="none"), 1, 4)
     assert run_step(router, [[0.9]] * 4, 5, first=True) == 4
     assert run_step(router, [[0.9]] * 4) == 1
 
 
 def test_the_router_asks_the_signal_its_settings_name():
     kinds = {"cosine": Cosine, "cosine_first": CosineAtOneLayer, "update_norm": UpdateNorm, "random": RandomExit}
-    assert type(ExitRouter(RiverSettings(tau=0.9), 1, 4).signal) is Cosine  # the paper's, by default
+    assert type(ExitRouter(RiverSettings(tau=0.9), 1, 4).signal) is PreviousConfidence  # the default
+    assert type(ExitRouter(RiverSettings(exit_signal="cosine", tau=0.9), 1, 4).signal) is Cosine  # the paper's
     for name, kind in kinds.items():
         settings = RiverSettings(tau=0.9, exit_signal=name, exit_rate=0.5, seed=0)
         assert type(ExitRouter(settings, 1, 4).signal) is kind
@@ -91,6 +92,6 @@ def test_a_cosine_decision_reads_the_host_once(monkeypatch):
     item, tolist = torch.Tensor.item, torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(1) or item(self))
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
-    router = ExitRouter(RiverSettings(tau=0.9), start_layer=1, num_layers=5)
+    router = ExitRouter(RiverSettings(exit_signal="cosine", tau=0.9), start_layer=1, num_layers=5)
     assert run_step(router, [[0.1, 0.2], [0.95, 0.5], [0.95, 0.93], [0.99, 0.99]]) == 3
     assert len(reads) == 3  # depths 1, 2, 3

@@ -25,8 +25,8 @@ def inputs():
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-@pytest.mark.parametrize("config", [GenerationConfig(**FIXED), RiverConfig(tau=-1, **FIXED),
-                                    RiverConfig(tau=0.5, **FIXED)])
+@pytest.mark.parametrize("config", [GenerationConfig(**FIXED), RiverConfig(tau=-1, exit_signal="cosine", **FIXED),
+                                    RiverConfig(tau=0.5, exit_signal="cosine", **FIXED)])
 def test_the_parts_add_up_to_the_decode_time_and_the_matmuls_are_counted(river, config):
     split = step_split(river, inputs(), config)
     assert set(split) == {*PARTS, "total"}

@@ -58,7 +58,7 @@ def test_baselines_run_the_prompt_on_the_full_backbone(strategy, prompt_ids):
 
 def test_profile_splits_backbone_and_skipped_time(prompt_ids):
     model = river_of(tiny_model(), **QUANT)
-    cache = new_river_cache(model, RiverConfig(tau=-1).river_settings())
+    cache = new_river_cache(model, RiverConfig(tau=-1, exit_signal="cosine").river_settings())
     cache.profile = True
     model.generate(prompt_ids, max_new_tokens=8, do_sample=False, cache=cache)
     assert cache.seconds["backbone"] > 0 and cache.seconds["skipped"] > 0

@@ -24,6 +24,7 @@ from ..models import DEFAULT_GGUF_FILE, build_chat_inputs, resolve_model_path
 from .fidelity import Reference, backbone_references
 from .systems import river_system, twin_description
 
+SIGNAL = "cosine"  # what `river-hf calibrate` searches the tau of (and `--tau auto` reads back for)
 DEFAULT_TAU_RANGE = (-1.0, 0.999)  # tau > 1 is the backbone itself: 0.999 is the most faithful tau that may exit
 DEFAULT_TOLERANCE = 0.002
 DEFAULT_MAX_STEPS = 8

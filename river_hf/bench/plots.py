@@ -15,8 +15,9 @@ from ..config import bits_label
 from .systems import twin_label
 
 COLORS = {"backbone": "black", "full-quant": "tab:red", "static-full-quant": "tab:orange", "river": "tab:blue",
-          "random": "0.45"}
-MARKERS = {"backbone": "s", "full-quant": "D", "static-full-quant": "x", "river": "o", "random": "v"}
+          "random": "0.45", "defaults": "tab:green"}
+MARKERS = {"backbone": "s", "full-quant": "D", "static-full-quant": "x", "river": "o", "random": "v",
+           "defaults": "*"}
 SIGNAL_COLORS = {"cosine": "tab:blue", "cosine_first": "tab:green", "update_norm": "tab:purple"}
 STRATEGY_COLORS = {"river": "tab:blue", "recompute": "tab:orange", "state_propagation": "tab:green",
                    "mask": "tab:red", "mono_decreasing": "tab:purple"}
@@ -61,7 +62,7 @@ def pareto_figure(record: dict) -> Figure:
         ax.scatter(match, ratio, color=color, marker=MARKERS[kind], zorder=2, s=40,
                    label=None if label in labelled else label)
         labelled.add(label)
-        if kind in ("river", "full-quant"):
+        if kind in ("river", "full-quant") or (kind == "defaults" and system["tau"] is not None):
             ax.annotate(f"τ={system['tau']:g}", (match, ratio), textcoords="offset points", xytext=(5, 4),
                         fontsize=7)
         elif kind == "random":

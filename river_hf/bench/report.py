@@ -182,6 +182,8 @@ def system_label(system: dict) -> str:
         return SYSTEM_LABELS[system["kind"]] if system["name"] == system["kind"] else system["name"]
     if system["kind"] == "random":
         return f"random routing p={system['exit_rate']:g}"
+    if system["kind"] == "defaults":
+        return system["name"]
     if system["kind"] == "strategy":
         return f"{system['strategy']} tau={system['tau']:g}"
     signal = "" if system.get("signal") in (None, "cosine") else f" ({system['signal']})"

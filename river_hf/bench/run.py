@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from .. import kernel_choice
 from ..models import build_chat_inputs
+from ..layers import river_layers
 from ..patching import is_river
 from .bytes import add_byte_limits
 from .fidelity import Fidelity, backbone_references
@@ -104,8 +105,10 @@ def run_bench(model, prompt_inputs: list[dict], settings: BenchSettings, systems
     add_byte_limits(records, [system.model or model for system in systems])
     for record, split in zip(records, measure_step_splits(model, systems, speed_prompts[0])):
         record["summary"]["step_split_ms_per_token"] = split
+    gain = getattr(river_layers(model)[0], "exit_gain", None)  # measured when the defaults system was made
     return {"settings": {**asdict(settings), "taus": taus, "batch_size": 1, "warmup_passes": 1},
-            "twins": twins, "systems": records, "memory": memory_report(model, rss_built)}
+            "twins": twins, "systems": records, "memory": memory_report(model, rss_built),
+            "exit_gain": None if gain is None else {**asdict(gain), "speedup": gain.speedup, "pays": gain.pays}}
 
 
 def measure_speed(model, systems: list[System], prompts: list[dict], rounds: int) -> dict[str, list[Timing]]:
@@ -168,7 +171,7 @@ def depth_summary(runs: list[Timing], kind: str, twins: dict) -> dict:
     """Mean exit depth and the histogram {depth: decoded positions} from the runs' exit records. Plain systems
     keep no record: their depth is the backbone's full depth, or start_layer for the static reference."""
     if runs[0].exit_depths is None:
-        depth = twins["num_layers"] if kind == "backbone" else twins["start_layer"]
+        depth = twins["start_layer"] if kind == STATIC_FULL_QUANT else twins["num_layers"]
         return {"mean_exit_depth": float(depth), "exit_depth_histogram": None, "exit_depth_measured": False}
     counts = Counter(depth for run in runs for depth in run.exit_depths)
     total = sum(counts.values())

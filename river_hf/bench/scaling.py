@@ -24,6 +24,7 @@ from ..generation import RiverConfig
 from ..lm_head import river_lm_head
 from ..patching import build_river, remove_river
 from ..quantize import plain_rounding
+from .systems import FULL_QUANT_RIVER
 from .run import BenchSettings, environment, finish_record, peak_rss_bytes, run_bench
 from .shapes import PROMPT_LENGTH, SHAPES, random_model, random_prompts
 from .systems import (
@@ -80,7 +81,7 @@ def scaling_systems(model, quant: RiverQuantConfig, max_new_tokens: int, exit_ra
     plain = GenerationConfig(**fixed)
     last = list(configs)[-1] + ("+head" if head is not None else "")
     return [System(BACKBONE, "backbone", plain),
-            System(f"full-quant {last} (river)", "full-quant", RiverConfig(tau=-1.0, **fixed), tau=-1.0),
+            System(f"full-quant {last} (river)", "full-quant", RiverConfig(**FULL_QUANT_RIVER, **fixed), tau=-1.0),
             *_static_systems(statics, head, plain),
             *random_systems(list(exit_rates), seed, fixed)]
 

@@ -19,7 +19,8 @@ from transformers import GenerationConfig
 
 from ..architectures import find_decoder_layers
 from ..config import bits_label
-from ..generation import RiverConfig
+from ..defaults import auto_settings
+from ..generation import RiverConfig, measure_river_exit_gain
 from ..layers import RiverLayer, river_layers, twin_linears
 from ..patching import is_river
 from ..settings import RiverSettings
@@ -37,6 +38,9 @@ GRID_QUANTILES = (0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9)
 QUICK_GRID_QUANTILES = (0.25, 0.5, 0.75)
 
 BACKBONE, FULL_QUANT, STATIC_FULL_QUANT = "backbone", "full-quant", "static-full-quant"
+# Full quantization: every step, the prompt's too, leaves the backbone at the river's start (the paper's; the cosine
+# at tau -1 exits prompts as well, where the default confidence signal never exits a prompt).
+FULL_QUANT_RIVER = {"tau": -1.0, "exit_signal": "cosine"}
 EVAL_FULL_QUANT = "full-quant (tau=-1)"  # eval's reports have always named full quantization with its tau
 # KV strategies at two thresholds (the paper's Fig. 3): relaxed and strict, for the packaged SmolLM2 (cosine).
 SMOLLM2_STRATEGY_TAUS = (0.97, 0.985)
@@ -82,7 +86,7 @@ def fixed_length(max_new_tokens: int) -> dict:
 def reference_systems(static_model: nn.Module, fixed: dict) -> list[System]:
     """The backbone, full quantization through the river (tau=-1) and the static full-quant model."""
     return [System(BACKBONE, "backbone", GenerationConfig(**fixed)),
-            System(FULL_QUANT, "full-quant", RiverConfig(tau=-1.0, **fixed), tau=-1.0),
+            System(FULL_QUANT, "full-quant", RiverConfig(**FULL_QUANT_RIVER, **fixed), tau=-1.0),
             System(STATIC_FULL_QUANT, "static-full-quant", GenerationConfig(**fixed), model=static_model)]
 
 
@@ -101,13 +105,15 @@ def random_systems(rates: list[float], seed: int, fixed: dict) -> list[System]:
 
 def strategy_systems(strategies: list[str], taus: list[float], fixed: dict) -> list[System]:
     """Every KV strategy at each tau, with the same (cosine) exit decision."""
-    return [System(f"{strategy} tau={tau:g}", "strategy", RiverConfig(tau=tau, kv_strategy=strategy, **fixed),
+    return [System(f"{strategy} tau={tau:g}", "strategy",
+                   RiverConfig(tau=tau, exit_signal="cosine", kv_strategy=strategy, **fixed),
                    tau=tau, signal="cosine", strategy=strategy) for strategy in strategies for tau in taus]
 
 
 def river_system(tau: float, fixed: dict | None = None, **river) -> System:
     """The river at one tau with any other river settings (`exit_signal`, `kv_strategy`, ...): what calibrate probes."""
-    signal = river.get("exit_signal", "cosine")
+    river = {"exit_signal": "cosine", **river}  # the bench's plain `tau=t` systems are the paper's cosine
+    signal = river["exit_signal"]
     return System(river_name(tau, signal), "river", RiverConfig(tau=tau, **river, **(fixed or {})), tau=tau,
                   signal=signal, strategy=river.get("kv_strategy"))
 
@@ -119,7 +125,7 @@ def eval_systems(taus: list[float], river: bool = True, generation: dict | None 
     generation = generation or {}
     systems = [System(BACKBONE, "backbone", GenerationConfig(**generation))]
     if river:
-        systems.append(System(EVAL_FULL_QUANT, "full-quant", RiverConfig(tau=-1.0, **generation), tau=-1.0))
+        systems.append(System(EVAL_FULL_QUANT, "full-quant", RiverConfig(**FULL_QUANT_RIVER, **generation), tau=-1.0))
         for tau in dict.fromkeys(tau for tau in taus if tau != -1):
             system = river_system(tau, generation, **settings)
             systems.append(replace(system, name=f"river {river_name(tau, system.signal)}"))
@@ -148,6 +154,7 @@ class Sweep:
     strategy_taus: list[float] | None = None
     packaged: bool = False
     quick: bool = False
+    defaults: bool = True  # also the river at its defaults (tau 'auto'), as a user's plain RiverConfig() runs it
 
     def systems(self, river_model: nn.Module, inputs: dict, max_new_tokens: int) -> list[System]:
         """The systems, every one generating exactly `max_new_tokens`; `inputs`: one chat prompt, for the grids
@@ -159,6 +166,7 @@ class Sweep:
             return [reference_systems(None, fixed)[0], *strategy_systems(names, taus, fixed)]
         taus = self.taus if self.taus is not None else default_taus(river_model, inputs, self.packaged, self.quick)
         systems = reference_systems(static_full_quant(river_model), fixed)
+        systems += [defaults_system(river_model, fixed)] if self.defaults else []
         systems += signal_systems("cosine", river_taus(taus), fixed)
         for signal in dict.fromkeys(self.signals):
             grid = self.signal_taus or signal_taus(river_model, inputs, signal, self.quick, self.signal_layer)
@@ -167,6 +175,19 @@ class Sweep:
         if rates is None:
             rates = QUICK_EXIT_RATES if self.quick else EXIT_RATES
         return systems + random_systems(list(rates), self.seed, fixed)
+
+
+def defaults_system(river_model: nn.Module, fixed: dict) -> System:
+    """What `generate(generation_config=RiverConfig())` runs on this machine: tau 'auto' resolved here, once (it
+    measures the river's ExitGain): the default signal at its default tau, or the plain backbone where exiting does
+    not pay."""
+    settings = auto_settings(RiverSettings(), river_layers(river_model),
+                             lambda: measure_river_exit_gain(river_model))
+    if settings is None:
+        return System("defaults (exiting does not pay here: the backbone)", "defaults", GenerationConfig(**fixed))
+    return System(f"defaults ({river_name(settings.tau, settings.exit_signal)})", "defaults",
+                  RiverConfig(tau=settings.tau, exit_signal=settings.exit_signal, **fixed), tau=settings.tau,
+                  signal=settings.exit_signal)
 
 
 def river_taus(taus: list[float]) -> list[float]:
@@ -253,7 +274,8 @@ def weight_bytes(river_model: nn.Module) -> dict[str, int]:
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        sizes["twins" if ".twin." in f".{name}" else "backbone"] += tensor.numel() * tensor.element_size()
+        own = ".twin." in f".{name}" or ".quantized_head." in f".{name}"  # a twin layer's, or the quantized head's
+        sizes["twins" if own else "backbone"] += tensor.numel() * tensor.element_size()
     return sizes
 
 
@@ -263,7 +285,10 @@ def twin_description(river_model: nn.Module) -> dict:
     quant = next(layer.quant_config for layer in layers if isinstance(layer, RiverLayer))
     kernels = sorted({linear.backend for layer in layers if layer.twin is not None
                       for linear in twin_linears(layer.twin)})
-    return {"nbits": quant.nbits, "group_size": quant.group_size, "start_layer": quant.start_layer,
+    # what was built: nbits='auto' as the schedule it became for this depth (the rule itself under "nbits_rule")
+    rule = {"nbits_rule": quant.nbits} if isinstance(quant.nbits, str) else {}
+    return {"nbits": quant.resolved_nbits(len(layers)), **rule, "group_size": quant.group_size,
+            "start_layer": quant.start_layer,
             "quantize_lm_head": quant.quantize_lm_head, "lm_head_nbits": quant.lm_head_nbits,
             "skip_modules": list(quant.skip_modules), "backend": quant.backend, "kernels": kernels,
             "num_layers": len(layers)}

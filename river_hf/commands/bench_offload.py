@@ -51,7 +51,7 @@ def river_config(args: argparse.Namespace):
         return RiverConfig(tau=args.signal_taus[0], exit_signal=args.signals[0])
     if args.taus is not None and len(args.taus) != 1:
         raise CLIError("--offload measures one river: give one --taus T (or one --signals NAME --signal-taus T).")
-    return RiverConfig(tau=args.taus[0] if args.taus else DEFAULT_TAU)
+    return RiverConfig(tau=args.taus[0] if args.taus else DEFAULT_TAU, exit_signal="cosine")
 
 
 def run_offload(args: argparse.Namespace, quant_config, settings, output) -> int:

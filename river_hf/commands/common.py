@@ -18,15 +18,14 @@ import torch
 from transformers import GenerationConfig
 
 from .. import kernel_choice
-from ..config import RiverQuantConfig, bits_label
+from ..config import AUTO_NBITS, RiverQuantConfig, bits_label
 from ..generation import RiverConfig
 from ..models import load_model_and_tokenizer
 from ..patching import build_river
-from ..settings import PREFILL_EXITS, RiverSettings, river_field_help
+from ..settings import AUTO_TAU, PREFILL_EXITS, RiverSettings, river_field_help
 from ..signals import signal_names
 from ..strategies import strategy_names
 
-AUTO_TAU = "auto"
 
 
 class CLIError(Exception):
@@ -78,7 +77,7 @@ def tau_arg(text: str) -> float | str:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"invalid float value: {text!r} (give a number, or 'auto' for the tau `river-hf calibrate` saved)"
+            f"invalid float value: {text!r} (give a number, or 'auto')"
         ) from None
 
 
@@ -92,8 +91,10 @@ def prefill_exit_arg(text: str) -> str | int:
                                          f"got {text!r}") from None
 
 
-def nbits_arg(text: str) -> int | list[int]:
-    """'4' -> 4; '8*2,4*3' or '8,8,4,4,4' -> [8, 8, 4, 4, 4]."""
+def nbits_arg(text: str) -> int | list[int] | str:
+    """'auto' -> 'auto'; '4' -> 4; '8*2,4*3' or '8,8,4,4,4' -> [8, 8, 4, 4, 4]."""
+    if text.strip().lower() == AUTO_NBITS:
+        return AUTO_NBITS
     try:
         if "," not in text and "*" not in text:
             return int(text)
@@ -148,19 +149,23 @@ def add_twin_args(parser: argparse.ArgumentParser) -> None:
     from ..quantize import BACKENDS
 
     group = parser.add_argument_group("twins")
-    group.add_argument("--nbits", type=nbits_arg, default=4, metavar="N|SCHEDULE",
-                       help="Bits per twin weight (default: %(default)s), or a schedule with one entry per river layer "
-                            "(layers start_layer..L-1), where B*K repeats B K times: e.g. 8*8,4*21 for SmolLM2's 29 "
-                            "river layers.")
-    group.add_argument("--quantize-lm-head", action="store_true",
-                       help="Steps that exited also use a quantized copy of the LM head (the backbone keeps its own).")
+    defaults = RiverQuantConfig()
+    group.add_argument("--nbits", type=nbits_arg, default=defaults.nbits, metavar="auto|N|SCHEDULE",
+                       help="Bits per twin weight: 'auto' (the default: 4 for the first quarter of the river layers, "
+                            "8 after), one number, or a schedule with one entry per river layer (layers "
+                            "start_layer..L-1), where B*K repeats B K times: e.g. 8*8,4*21 for SmolLM2's 29 river "
+                            "layers.")
+    group.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction,
+                       default=defaults.quantize_lm_head,
+                       help="Steps that exited also use a quantized copy of the LM head (the backbone keeps its own; "
+                            "default: on).")
     group.add_argument("--lm-head-nbits", type=int, default=8, metavar="N",
                        help="Bits of the quantized LM head (default: %(default)s).")
     group.add_argument("--group-size", type=group_size_arg, default=64, metavar="N",
                        help="HQQ quantization group size, or 'none' for one group per row (default: %(default)s).")
     group.add_argument("--start-layer", type=positive_int, default=1, metavar="L",
                        help="First decoder layer with a twin (default: %(default)s).")
-    group.add_argument("--backend", default=RiverQuantConfig().backend, choices=BACKENDS,
+    group.add_argument("--backend", default=defaults.backend, choices=BACKENDS,
                        help="Twin kernel: 'fastest' times the kernels that can run each layer shape on this machine "
                             "and takes the fastest (shown after the build); 'auto' takes the device's preferred "
                             "kernel without measuring (default: %(default)s).")
@@ -176,7 +181,8 @@ def twin_config(args: argparse.Namespace) -> RiverQuantConfig:
 def build(model, quant_config: RiverQuantConfig):
     """`build_river`, announced on stderr (quantizing takes a while)."""
     layers = max(num_layers(model) - quant_config.start_layer, 0)
-    print(f"building river: quantizing {layers} layers ({bits_label(quant_config.nbits)}-bit twins, group "
+    bits = bits_label(quant_config.resolved_nbits(num_layers(model)))
+    print(f"building river: quantizing {layers} layers ({bits}-bit twins, group "
           f"{quant_config.group_size})...", file=sys.stderr, flush=True)
     with user_errors():  # e.g. --start-layer beyond the model's depth
         model = build_river(model, quant_config)
@@ -197,7 +203,8 @@ RIVER_FLAG_TYPES = {
     "signal_layer": lambda: {"type": positive_int, "metavar": "D"},
 }
 RIVER_FLAGS = ("tau", "exit_signal", "kv_strategy")
-CLI_HELP = {"tau": " 'auto': the tau `river-hf calibrate` saved for this model and twins (README 'Choosing tau')."}
+CLI_HELP = {"tau": " On the command line 'auto' first takes the tau `river-hf calibrate` saved for this model and "
+                   "twins, if any (README 'Choosing tau')."}
 
 
 def add_river_args(parser: argparse.ArgumentParser, names: tuple[str, ...] = RIVER_FLAGS) -> None:
@@ -231,18 +238,25 @@ def river_configs(args: argparse.Namespace, **generation_kwargs):
 
 
 def resolve_tau(args: argparse.Namespace, quant_config: RiverQuantConfig):
-    """`args.tau`, or for 'auto' the tau saved by `river-hf calibrate` for this model, twins and device."""
+    """`args.tau`; for 'auto' (the default) the tau `river-hf calibrate` saved for this model, twins and device, and
+    without one the library's tau='auto' (the signal's measured default where exiting pays on this machine)."""
     if args.tau != AUTO_TAU:
         return args.tau
     from ..bench import calibrate
 
-    key = calibrate.calibration_key(model_id(args), quant_config, args.device)
+    if args.exit_signal != calibrate.SIGNAL:  # calibrations are of the paper's cosine
+        print(f"tau auto: the {args.exit_signal} signal's measured default where exiting pays on this machine",
+              file=sys.stderr)
+        return AUTO_TAU
+    try:
+        key = calibrate.calibration_key(model_id(args), quant_config, args.device)
+    except CLIError:  # a model that cannot be found: its load reports that, after the other arguments are checked
+        return AUTO_TAU
     entry = calibrate.lookup_calibration(key)
     if entry is None:
-        raise CLIError(
-            f"--tau auto: no calibration saved for [{key}] in {calibrate.calibration_path()}. Run `river-hf calibrate "
-            f"--target-match 0.98` with the same --model/--gguf-file/--nbits/--group-size/--start-layer/--device "
-            f"first (set {calibrate.CACHE_ENV} if you keep calibrations elsewhere), or give --tau a number.")
+        print(f"tau auto: no `river-hf calibrate` result saved for [{key}]; taking the {args.exit_signal} signal's "
+              f"measured default where exiting pays on this machine", file=sys.stderr)
+        return AUTO_TAU
     print(f"tau auto: {entry['tau']:g} (calibrated for match >= {entry['target_match']:g}: measured "
           f"{entry['match']:.1%}, KL {entry['kl']:.4f}, on {entry['prompts']['count']} prompts)", file=sys.stderr)
     return float(entry["tau"])

@@ -102,11 +102,23 @@ def _prepare(args: argparse.Namespace, task: str):
     quant_config, taus = None, []
     for tau in args.taus if args.taus is not None else [args.tau]:  # each tau through the shared checks
         quant_config, config = common.river_configs(argparse.Namespace(**{**vars(args), "tau": tau}))
-        taus.append(getattr(config, "tau", tau))  # as resolved there
+        taus.append(_a_number(getattr(config, "tau", tau), args.exit_signal))  # as resolved there
     generation = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     with common.user_errors():
         systems = eval_systems(taus, not args.no_river, generation, **common.river_settings(args))
     return quant_config, systems, common.output_path(args, default_name(f"eval-{task}"))
+
+
+def _a_number(tau, exit_signal: str) -> float:
+    """An eval measures accuracy at a tau, not speed: 'auto' is the signal's measured default tau, whatever this
+    machine's speed would make a plain generate do."""
+    from ..defaults import default_tau
+    from ..settings import AUTO_TAU
+
+    if tau != AUTO_TAU:
+        return tau
+    with common.user_errors():
+        return default_tau(exit_signal)
 
 
 def _evaluate(args, task, model, tokenizer, quant_config, systems, output) -> int:

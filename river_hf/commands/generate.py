@@ -1,6 +1,6 @@
 """`river-hf generate`: stream the answer to one prompt, then one summary line (speed, prefill, exit depth).
 
-    river-hf generate "What is 2+3?"              # the packaged SmolLM2-135M-Instruct, river at DEFAULT_TAU
+    river-hf generate "What is 2+3?"              # the packaged SmolLM2-135M-Instruct, river at its defaults (tau 'auto')
     river-hf generate "What is 2+3?" --no-river   # the plain bf16 backbone, for comparison
 """
 
@@ -15,7 +15,8 @@ from ..bench.speed import TokenClock
 from ..config import bits_label
 from ..display import GenerationStats, render_exits, token_exit_depths
 from ..models import build_chat_inputs
-from ..settings import DRAFT_HEURISTIC
+from ..cache import RiverCache
+from ..settings import AUTO_TAU, DRAFT_HEURISTIC
 from . import common
 from .common import CLIError
 
@@ -80,19 +81,30 @@ def run(args: argparse.Namespace) -> int:
     out = model.generate(**inputs, generation_config=generation_config, streamer=clock)
     prompt_length = inputs["input_ids"].shape[1]
     new_ids = out.sequences[0, prompt_length:].tolist()
-    depths = token_exit_depths(out.cache, prompt_length, len(new_ids)) if quant_config is not None else None
+    # tau='auto' runs the plain backbone where exiting does not pay on this machine: then there is no RiverCache
+    ran_river = quant_config is not None and isinstance(out.cache, RiverCache)
+    depths = token_exit_depths(out.cache, prompt_length, len(new_ids)) if ran_river else None
     stats = GenerationStats.collect(clock, common.num_layers(model), depths)
-    river = None if quant_config is None else (
-        f"tau {args.tau:g}, {bits_label(quant_config.nbits)}-bit twins, group {quant_config.group_size}, "
-        f"from layer {quant_config.start_layer}")
-    print(stats.summary_line(river))
+    print(stats.summary_line(None if quant_config is None else describe_river(args, quant_config, out.cache, model)))
     drafts = getattr(out.cache, "drafts", None)
     if drafts is not None:
         print(lossless_line(drafts.summary()))
-    if args.show_exits:
+    if args.show_exits and depths is None:
+        print("--show-exits: nothing exited, the backbone ran every token.")
+    elif args.show_exits:
         print(render_exits(tokenizer, new_ids, depths, quant_config.start_layer, stats.num_layers,
                            color=not os.environ.get("NO_COLOR")))
     return 0
+
+
+def describe_river(args: argparse.Namespace, quant_config, cache, model) -> str:
+    """The river's settings for the summary line: the tau it used (and whether 'auto' chose it) and its twins."""
+    if not isinstance(cache, RiverCache):
+        return "tau auto: exiting does not pay on this machine (see the warning above), so the backbone ran"
+    auto = " (auto)" if args.tau == AUTO_TAU else ""
+    bits = bits_label(quant_config.resolved_nbits(common.num_layers(model)))
+    return (f"{args.exit_signal} tau {cache.router.settings.tau:g}{auto}, {bits}-bit twins, group "
+            f"{quant_config.group_size}, from layer {quant_config.start_layer}")
 
 
 def lossless_line(summary: dict) -> str:
