@@ -1,0 +1,316 @@
+"""Rivers on LoRA-adapted models (river_hf.adapters): a `peft.PeftModel`, and a transformers model carrying LoRA layers
+in place (what transformers' `add_adapter` / `load_adapter` build, through `peft.inject_adapter_in_model`).
+
+The twin of an adapted linear is one quantized linear of its merged weight; the references below are built
+independently, from peft's own `merge_and_unload`.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, inject_adapter_in_model
+from peft.functional import delete_adapter, set_adapter
+from peft.tuners.tuners_utils import BaseTunerLayer
+from transformers.pytorch_utils import Conv1D
+
+import river_hf
+from river_hf import RiverQuantConfig
+from river_hf.architectures import find_decoder_layers
+from river_hf.layers import RiverLayer, make_twin
+from river_hf.quantize import RiverQuantLinear
+
+from conftest import NUM_LAYERS, SIZES, decoded_depths, generate, river_of, tiny_model
+
+START = 2  # river_of's default
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+def lora_config(targets=TARGETS, **kwargs) -> LoraConfig:
+    # non-zero B (init_lora_weights=False), so that the adapters change what the model computes
+    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, **kwargs)
+
+
+def peft_model_of(arch: str = "llama") -> PeftModel:
+    torch.manual_seed(3)
+    return get_peft_model(tiny_model(arch), lora_config()).eval()
+
+
+def in_place_model_of(arch: str = "llama"):
+    torch.manual_seed(3)
+    return inject_adapter_in_model(lora_config(), tiny_model(arch)).eval()
+
+
+MAKERS = {"peft_model": peft_model_of, "in_place": in_place_model_of}
+
+
+@pytest.fixture(params=list(MAKERS))
+def adapted(request):
+    """A tiny Llama carrying LoRA adapters, either way."""
+    return MAKERS[request.param]()
+
+
+def merged_full_quantization(adapted_model):
+    """Independent reference for tau = -1: the adapted model whose layers from START on are twins quantized from
+    peft's own merge of the adapters (`merge_and_unload` on a copy); the layers before START stay adapted."""
+    reference = copy.deepcopy(adapted_model)
+    merged = copy.deepcopy(adapted_model)
+    merged = merged.merge_and_unload() if isinstance(merged, PeftModel) else _merged_in_place(merged)
+    layers, merged_layers = find_decoder_layers(reference), find_decoder_layers(merged)
+
+    def quantize(linear):
+        return RiverQuantLinear.from_linear(linear, nbits=4, group_size=64, backend="auto")
+
+    for idx in range(START, NUM_LAYERS):
+        layers[idx] = make_twin(merged_layers[idx], quantize, [])
+    return reference
+
+
+def _merged_in_place(model):
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+            model.set_submodule(name, module.get_base_layer())
+    return model
+
+
+def test_adapters_change_the_model(adapted, prompt_ids):
+    # the tests below could not fail if the adapters did nothing
+    plain = generate(tiny_model("llama"), prompt_ids, output_logits=True).logits[0]
+    assert not torch.allclose(generate(adapted, prompt_ids, output_logits=True).logits[0], plain)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("maker", list(MAKERS))
+def test_tau_above_one_equals_the_adapted_model(arch, maker, prompt_ids):
+    model = MAKERS[maker](arch)
+    expected = generate(model, prompt_ids).sequences
+    river_of(model)
+    out = generate(model, prompt_ids, tau=1.5)
+    assert torch.equal(out.sequences, expected)
+    assert torch.equal(generate(model, prompt_ids).sequences, expected)  # plain generate: the adapted backbone
+    out.cache.check_kv_integrity()
+
+
+def test_tau_minus_one_equals_twins_of_the_adapted_layers(adapted, prompt_ids):
+    reference = merged_full_quantization(adapted)
+    river_of(adapted)
+    out = generate(adapted, prompt_ids, tau=-1, output_logits=True)
+    expected = generate(reference, prompt_ids, output_logits=True)
+    assert (out.cache.exit_depth == START).all()
+    assert torch.equal(out.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits))
+
+
+def test_twins_are_single_quantized_linears(adapted):
+    river_of(adapted)
+    twin = river_hf.river_layers(adapted)[START].twin
+    assert not [name for name, module in twin.named_modules() if isinstance(module, BaseTunerLayer)]
+    assert isinstance(twin.self_attn.q_proj, RiverQuantLinear) and isinstance(twin.mlp.down_proj, RiverQuantLinear)
+
+
+def test_mixed_exits_keep_every_position_in_cache(adapted, prompt_ids, scripted_exits):
+    river_of(adapted)
+    plan = [2, 4, 6, 3, 5, 2, 6, 4, 3, 5, 2]
+    out = generate(adapted, prompt_ids, max_new_tokens=len(plan) + 1, tau=0.5, exit_signal=scripted_exits(plan))
+    assert torch.equal(decoded_depths(out.cache)[0], torch.tensor(plan))
+    out.cache.check_kv_integrity()
+
+
+def test_a_peft_models_river_lives_on_the_model_inside_it():
+    model = peft_model_of()
+    peft_class = type(model)
+    river_of(model)
+    assert river_hf.is_river(model) and river_hf.is_river(model.get_base_model())
+    assert type(model) is peft_class  # the PeftModel keeps its class; its generate calls the river's
+
+
+# ---------------------------------------------------------------- adapter changes after the river is built
+
+
+def _add_second_adapter(model):
+    if isinstance(model, PeftModel):
+        model.add_adapter("other", lora_config(["q_proj"]))
+    else:
+        inject_adapter_in_model(lora_config(["q_proj"]), model, adapter_name="other")
+        set_adapter(model, "default")  # injecting made "other" active; the river is built on "default"
+
+
+def _disable(model):
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.enable_adapters(False)
+
+
+CHANGES = {  # what changes the adapted layers after the river is built
+    "set_adapter": lambda model: set_adapter(model, "other"),
+    "disable_adapters": _disable,
+    "merge_adapter": lambda model: [m.merge() for m in model.modules() if isinstance(m, BaseTunerLayer)],
+    "delete_adapter": lambda model: (set_adapter(model, "other"),
+                                     delete_adapter(model, adapter_name="default", prefix="lora_")),
+    "weights_trained": lambda model: [m.lora_B["default"].weight.add_(0.1) for m in model.modules()
+                                      if isinstance(m, BaseTunerLayer)],
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_adapter_changes_make_river_generate_ask_for_a_rebuild(adapted, prompt_ids, change):
+    _add_second_adapter(adapted)
+    river_of(adapted)
+    with torch.no_grad():
+        CHANGES[change](adapted)
+    with pytest.raises(ValueError, match=r"adapters changed after its river was built.*remove_river"):
+        generate(adapted, prompt_ids, tau=-1)
+    plain = generate(adapted, prompt_ids).sequences  # plain generate runs the adapted backbone, whatever its state
+    river_hf.remove_river(adapted)
+    assert torch.equal(generate(adapted, prompt_ids).sequences, plain)
+    river_of(adapted)  # the rebuilt river follows the new state
+    assert torch.equal(generate(adapted, prompt_ids, tau=1.5).sequences, plain)
+    generate(adapted, prompt_ids, tau=-1).cache.check_kv_integrity()
+
+
+def test_an_inactive_adapter_and_a_round_trip_keep_the_twins(adapted, prompt_ids):
+    _add_second_adapter(adapted)
+    river_of(adapted)
+    before = generate(adapted, prompt_ids, tau=-1).sequences
+    set_adapter(adapted, "other")
+    set_adapter(adapted, "default")  # back as built: the twins are consistent again
+    assert torch.equal(generate(adapted, prompt_ids, tau=-1).sequences, before)
+
+
+def test_peft_disable_adapter_context_raises_inside_and_works_after():
+    model, ids = peft_model_of(), torch.randint(3, SIZES["vocab_size"], (1, 6))
+    river_of(model)
+    before = generate(model, ids, tau=-1).sequences
+    with model.disable_adapter():
+        with pytest.raises(ValueError, match="adapters disabled False -> True"):
+            generate(model, ids, tau=-1)
+        generate(model, ids)
+    assert torch.equal(generate(model, ids, tau=-1).sequences, before)
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_merge_and_unload_then_rebuild(prompt_ids, merge):
+    model = peft_model_of()
+    # merged: what peft's merge computes; unloaded: the original model (unload drops the adapters, weights untouched)
+    expected = generate(copy.deepcopy(model).merge_and_unload() if merge else tiny_model("llama"), prompt_ids).sequences
+    river_of(model)
+    base = model.merge_and_unload() if merge else model.unload()
+    assert river_hf.is_river(base)  # the river was on this model all along
+    with pytest.raises(ValueError, match="adapter layer gone"):
+        generate(base, prompt_ids, tau=-1)
+    assert torch.equal(generate(base, prompt_ids).sequences, expected)
+    river_hf.remove_river(base)
+    river_of(base)
+    assert torch.equal(generate(base, prompt_ids, tau=1.5).sequences, expected)
+
+
+def test_peft_add_adapter_after_build_is_refused_by_peft_and_the_river_keeps_working(prompt_ids):
+    model = peft_model_of()
+    river_of(model)
+    before = generate(model, prompt_ids, tau=-1).sequences
+    with pytest.raises(ValueError, match="RiverQuantLinear"):  # peft would adapt the twins' quantized linears
+        model.add_adapter("late", lora_config(["q_proj"]))
+    assert torch.equal(generate(model, prompt_ids, tau=-1).sequences, before)
+
+
+def _transformers_accepts_this_peft() -> bool:
+    from transformers.integrations.peft import MIN_PEFT_VERSION, check_peft_version
+    try:
+        check_peft_version(min_version=MIN_PEFT_VERSION)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _transformers_accepts_this_peft(), reason="transformers' PEFT integration needs a newer peft")
+def test_transformers_integration_methods(prompt_ids):
+    model = tiny_model("llama")
+    model.add_adapter(lora_config(), adapter_name="default")
+    expected = generate(model, prompt_ids).sequences
+    river_of(model)
+    assert torch.equal(generate(model, prompt_ids, tau=1.5).sequences, expected)
+    model.add_adapter(lora_config(["q_proj"]), adapter_name="other")  # on the backbone layers only: not the twins
+    assert torch.equal(generate(model, prompt_ids, tau=1.5).sequences, expected)
+    model.set_adapter("other")
+    with pytest.raises(ValueError, match="rebuild|remove_river"):
+        generate(model, prompt_ids, tau=-1)
+    model.set_adapter("default")
+    model.disable_adapters()
+    with pytest.raises(ValueError, match="adapters disabled"):
+        generate(model, prompt_ids, tau=-1)
+    model.enable_adapters()
+    assert torch.equal(generate(model, prompt_ids, tau=1.5).sequences, expected)
+
+
+# ---------------------------------------------------------------- bad input and the exact undo
+
+
+def _conv1d_adapted_model():
+    """LoRA on a transformers Conv1D (GPT-2's linear) inside a decoder layer: not a linear the twins can quantize."""
+    model = tiny_model("llama")
+    for layer in find_decoder_layers(model):
+        mlp = layer.mlp
+        conv = Conv1D(nf=SIZES["hidden_size"], nx=SIZES["intermediate_size"])
+        conv.weight.data.copy_(mlp.down_proj.weight.data.T)
+        mlp.down_proj = conv
+    torch.manual_seed(3)
+    return get_peft_model(model, lora_config(["q_proj", "down_proj"], fan_in_fan_out=True)).eval()
+
+
+def test_adapter_on_a_non_linear_is_a_clear_error_leaving_no_trace():
+    model = _conv1d_adapted_model()
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"`mlp.down_proj`.*Conv1D.*skip_modules.*merge_and_unload"):
+        river_of(model)
+    assert not river_hf.is_river(model)
+    assert not any(isinstance(layer, RiverLayer) for layer in find_decoder_layers(model))
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())
+
+
+def test_skipping_the_non_linear_shares_the_adapted_layer(prompt_ids):
+    model = _conv1d_adapted_model()
+    expected = generate(model, prompt_ids).sequences
+    river_of(model, skip_modules=["down_proj"])
+    layer = river_hf.river_layers(model)[START]
+    assert layer.twin.mlp.down_proj is layer.base_layer.mlp.down_proj  # the adapted Conv1D itself, unquantized
+    assert isinstance(layer.twin.self_attn.q_proj, RiverQuantLinear)
+    assert torch.equal(generate(model, prompt_ids, tau=1.5).sequences, expected)
+    generate(model, prompt_ids, tau=-1).cache.check_kv_integrity()
+
+
+def test_adapter_outside_the_decoder_layers_needs_nothing(prompt_ids):
+    torch.manual_seed(3)
+    model = get_peft_model(tiny_model("llama"), lora_config(["embed_tokens", "q_proj"])).eval()
+    expected = generate(model, prompt_ids).sequences
+    river_of(model)
+    assert torch.equal(generate(model, prompt_ids, tau=1.5).sequences, expected)
+
+
+def test_remove_river_restores_the_adapted_model_exactly(adapted, prompt_ids):
+    state = {name: tensor.clone() for name, tensor in adapted.state_dict().items()}
+    modules = dict(adapted.named_modules())
+    with torch.no_grad():
+        expected = adapted(prompt_ids).logits
+    river_of(adapted, quantize_lm_head=True)
+    generate(adapted, prompt_ids, tau=-1)
+    river_hf.remove_river(adapted)
+    assert not river_hf.is_river(adapted)
+    assert adapted.state_dict().keys() == state.keys()
+    assert all(torch.equal(tensor, state[name]) for name, tensor in adapted.state_dict().items())
+    assert all(module is modules[name] for name, module in adapted.named_modules())
+    with torch.no_grad():
+        assert torch.equal(adapted(prompt_ids).logits, expected)
+
+
+@pytest.mark.parametrize("code", [
+    "import sys, river_hf; assert 'peft' not in sys.modules",  # not imported for models without adapters
+    "import sys; sys.modules['peft'] = None; import river_hf",  # peft not installed: river_hf still imports
+])
+def test_river_hf_imports_without_peft(code):
+    subprocess.run([sys.executable, "-c", code], check=True)
