@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .adapters import adapter_state, check_unchanged, twin_replacements
-from .architectures import find_decoder_layers, hidden_of
+from .architectures import UnsupportedModelError, find_decoder_layers, hidden_of
 from .passes import river_cache_of
 from .kernel_choice import lookup
 from .quantize import RiverQuantLinear
@@ -101,6 +101,7 @@ def make_twin(layer: nn.Module, quantize_linear, skip_modules: list[str]) -> nn.
     def is_skipped(name: str) -> bool:
         return _is_skipped(name, skip_modules)
 
+    _refuse_packed_weights(layer, is_skipped)
     adapted = twin_replacements(layer, is_skipped)  # first: a bad adapter raises before any work is done
     # deepcopy with a memo of the layer's own tensors: the copy refers to the same Parameter/buffer objects,
     # so norms stay shared and no full-precision weight is duplicated before quantization replaces it.
@@ -112,6 +113,19 @@ def make_twin(layer: nn.Module, quantize_linear, skip_modules: list[str]) -> nn.
         if isinstance(module, nn.Linear) and not is_skipped(name):
             twin.set_submodule(name, quantize_linear(module))
     return twin
+
+
+def _refuse_packed_weights(layer: nn.Module, is_skipped) -> None:
+    """A linear whose weight is already packed into integers (transformers' GgufLinear, bitsandbytes' 4-bit Linear)
+    cannot be quantized again: HQQ would read its bytes as numbers. Refused before anything is built."""
+    for name, module in layer.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and not weight.is_floating_point() and not is_skipped(name):
+            raise UnsupportedModelError(
+                f"`{name}` ({type(module).__name__}) keeps its weights packed as {weight.dtype}, so no twin can be "
+                f"quantized from it. Load the model with float weights (a GGUF: "
+                f"`from_pretrained(..., gguf_file=..., quantization_config=GgufConfig(dequantize=True))`, as "
+                f"river_hf.models.load_model_and_tokenizer does), or keep it out of the twins with `skip_modules`.")
 
 
 def _is_skipped(name: str, skip_modules: list[str]) -> bool:

@@ -40,7 +40,7 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
     A `PeftModel`'s river goes on the model inside it (`get_base_model()`); LoRA layers are merged into the twins.
     """
     if (host := river_host(model)) is not model:
-        build_river(host, quant_config, progress)
+        build_river(host, quant_config, progress, stored_twins)
         return model
     quant_config = quant_config if quant_config is not None else RiverQuantConfig()
     if not isinstance(quant_config, RiverQuantConfig):

@@ -115,3 +115,21 @@ def test_packaged_model_from_the_cache_equals_the_gguf(cache_dir):
     assert inputs["input_ids"].tolist() == models.build_chat_inputs(tokenizer, "What is 2+3?")["input_ids"].tolist()
     plain = direct.generate(**inputs, max_new_tokens=8, do_sample=False)
     assert torch.equal(plain, cached.generate(**inputs, max_new_tokens=8, do_sample=False))
+
+
+def test_a_river_refuses_gguf_packed_linears_and_says_how_to_load(tmp_path):
+    from transformers.integrations.gguf.utils import GgufLinear
+
+    import river_hf
+    from river_hf import RiverQuantConfig, UnsupportedModelError
+
+    model = tiny_model("llama")
+    layer = model.model.layers[3]
+    layer.mlp.up_proj = GgufLinear(layer.mlp.up_proj.in_features, layer.mlp.up_proj.out_features, ggml_type=2)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(UnsupportedModelError, match=r"`mlp.up_proj` \(GgufLinear\).*GgufConfig\(dequantize=True\)"):
+        river_hf.build_river(model, RiverQuantConfig(backend="auto"), progress=False)
+    assert not river_hf.is_river(model) and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # kept out of the twins, it is shared as it is
+    river_hf.build_river(model, RiverQuantConfig(backend="auto", skip_modules=["up_proj"]), progress=False)
+    assert river_hf.is_river(model)
