@@ -89,7 +89,8 @@ class RiverGenerationMixin:
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
         settings = river_settings_from(generation_config, kwargs, model_default=self.generation_config)
-        if settings is not None and settings.tau == AUTO_TAU:  # None where exiting does not pay on this machine
+        # None where exiting does not pay on this machine (lossless keeps its own checks and fallback: it goes on)
+        if settings is not None and settings.tau == AUTO_TAU and not settings.lossless:
             resolved = auto_settings(settings, river_layers(self), lambda: measure_river_exit_gain(self))
             # a RiverCache the caller passed still gets its exit record (every step at full depth)
             passed_cache = isinstance(kwargs.get("cache", kwargs.get("past_key_values")), RiverCache)
