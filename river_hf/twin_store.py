@@ -35,8 +35,7 @@ from .quantize import RiverQuantLinear
 
 TWINS_FILE = "river_twins.safetensors"
 METADATA_KEY = "river_twins"
-FORMAT_VERSION = 1
-_CHUNK = 1 << 24  # elements per partial sum: bounded temporary memory, no int64 overflow (2^24 * 2^31 < 2^63)
+FORMAT_VERSION = 2  # 2: digests sum 64-bit words (format 1 summed elements; its files are refused, save again)
 _SAMPLE_STRIDE = 7919  # a prime: row i is sampled at column (i * 7919) mod K, so every row and column is reached
 _INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -53,13 +52,18 @@ class TwinsMismatchWarning(UserWarning):
 
 
 def digest(tensor: torch.Tensor) -> str:
-    """A cheap, exact identity of a tensor: dtype, shape, the sum of every element's bit pattern (integer addition:
-    the same on any device and thread count, and any single changed element changes it) and a hash of one element
-    per row (a shuffle that keeps the sum does not keep the sample). One read of the tensor, at memory speed."""
+    """A cheap, exact identity of a tensor: dtype, shape, the wrap-around sum of its bytes read as 64-bit words
+    (modular integer addition: the same on any device, thread count and summation order, and any single changed
+    element changes exactly one word, so the sum) and a hash of one element per row (a shuffle that keeps the sum
+    does not keep the sample). One read of the tensor at memory speed: summing int64 words natively is ~40x faster
+    than widening every bf16 element to int64, which made these checks most of a saved river's load time."""
     data = tensor.detach()
     flat = data.contiguous().reshape(-1)
-    bits = flat.view(_INT_VIEWS[flat.element_size()]) if flat.is_floating_point() or flat.dtype == torch.bool else flat
-    total = sum(int(chunk.sum(dtype=torch.int64)) for chunk in bits.split(_CHUNK))
+    raw = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+    whole = raw.numel() // 8 * 8  # the tail (< 8 bytes) is summed byte by byte
+    words = int(raw[:whole].view(torch.int64).sum()) % (1 << 64)
+    total = f"{words:016x}.{int(raw[whole:].sum(dtype=torch.int64))}"
+    bits = raw.view(_INT_VIEWS[flat.element_size()]) if flat.numel() else raw
     rows = data.shape[0] if data.dim() > 1 else 1
     cols = max(flat.numel() // max(rows, 1), 1)
     row = torch.arange(rows, device=flat.device)
