@@ -5,7 +5,7 @@ packaged SmolLM2-135M that is most of a start. The first load of a GGUF file at 
 transformers' own `save_pretrained` into the cache; later loads read that folder, which holds exactly the same
 tensors (same dtype, no second rounding), so a start is fast and gives the same model bit for bit.
 
-Where: `$RIVER_HF_CACHE`, else `$XDG_CACHE_HOME/river_hf`, else `~/.cache/river_hf`. The folder's name holds a key
+Where: `gguf/` in the user's cache folder (`river_hf.user_cache`). The folder's name holds a key
 of the file's absolute path, size and modification time, the dtype and transformers' version, so a changed file or
 an upgrade converts again. `RIVER_HF_CACHE=off` turns the cache off. Hub GGUFs (no local file) are not cached.
 """
@@ -21,19 +21,9 @@ import warnings
 import torch
 import transformers
 
-CACHE_ENV = "RIVER_HF_CACHE"
+from .user_cache import CACHE_ENV, cache_root
+
 COMPLETE_MARKER = "river_hf_gguf_complete"  # written last: a folder without it is an interrupted conversion
-
-
-def cache_root() -> str | None:
-    """The folder all converted GGUFs live under, or None when `RIVER_HF_CACHE=off`."""
-    configured = os.environ.get(CACHE_ENV)
-    if configured is not None and configured.strip().lower() in ("off", "0", "none", ""):
-        return None
-    if configured:
-        return os.path.expanduser(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "river_hf")
 
 
 def cached_folder(gguf_path: str, dtype: torch.dtype) -> str | None:

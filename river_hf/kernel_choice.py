@@ -10,7 +10,12 @@ is built, every distinct (shape, bits, group size) is timed once per process on 
   neighbour slows all of them alike; the median time per call counts, activation casts included;
 - the device's preferred kernel keeps its place unless another is faster by `TIE_MARGIN`, so close calls do not
   flip from one build to the next.
-Every choice made is kept (`measured_choices()`) for the bench record and the CLI's build message.
+Every choice made is kept (`measured_choices()`) for the bench record and the CLI's build message, and remembered
+on disk per machine (`kernel_choices/` in the user's cache folder, `river_hf.user_cache`): a later process on the
+same machine (same CPU model and capability, or GPU name; torch version; kernel set; thread count) reads the choice
+instead of timing again, which was ~11 s of every SmolLM2 build or saved-river load on a 2-core CPU. A remembered
+choice says so (`remembered`, and "measured earlier" in `describe()`); `forget()` or `RIVER_HF_CACHE=off` times
+again.
 
 Prompts are another matter: a prefill multiplies [T, K] by the weight, compute-bound, where the packed kernels can be
 slower than the backbone's bf16 GEMM. So each choice also times the chosen kernel against `dense` at
@@ -19,14 +24,18 @@ slower than the backbone's bf16 GEMM. So each choice also times the chosen kerne
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
 from .kernels import KERNELS, PREFERRED_BACKENDS, cast, int4_kernel_group, runs, shape_problem
+from .user_cache import CACHE_ENV, cache_root, write_json_atomically
 
 TIE_MARGIN = 1.10  # another kernel must be this much faster than the preferred one to replace it
 ROUNDS, WARMUP_ROUNDS, MIN_ROUNDS = 15, 2, 3
@@ -35,6 +44,7 @@ PREFILL_TOKENS = 128  # rows of the prefill-shaped timing (a typical chat prompt
 MAX_COPIES = 64
 _FALLBACK_CACHE_BYTES = 32 << 20
 _CHOICES: dict[tuple, KernelChoice] = {}  # one measurement per process and key: a memo, not a switch
+STORE_VERSION = 1  # bump when what a timing means changes (rounds, shapes timed): older files are then ignored
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,7 @@ class KernelChoice:
     backend: str
     microseconds: dict[str, float]
     prefill_microseconds: dict[str, float]  # the chosen kernel and `dense` at PREFILL_TOKENS rows
+    remembered: bool = False  # read from this machine's file of earlier measurements, not timed by this process
 
     @property
     def prefill_faster(self) -> bool:
@@ -57,8 +68,9 @@ class KernelChoice:
 
     def describe(self) -> str:
         timings = ", ".join(f"{name} {us:.0f}" for name, us in sorted(self.microseconds.items(), key=lambda x: x[1]))
+        when = ", measured earlier on this machine" if self.remembered else ""
         return (f"{self.in_features}x{self.out_features} {self.nbits}-bit: {self.backend} "
-                f"(µs per GEMV: {timings})")
+                f"(µs per GEMV: {timings}{when})")
 
 
 def fastest_backend(nbits: int, group_size: int | None, out_features: int, in_features: int,
@@ -68,14 +80,31 @@ def fastest_backend(nbits: int, group_size: int | None, out_features: int, in_fe
     key = (out_features, in_features, nbits, group_size, device.type, torch.get_num_threads())
     if key not in _CHOICES:
         names = candidates(nbits, group_size, out_features, in_features, device)
-        timings = _time_candidates(names, nbits, group_size, out_features, in_features, device, rows=1)
-        backend = _pick(timings, nbits, device)
-        prefill = {"dense": timings["dense"]} if backend == "dense" else _time_candidates(
-            [backend, "dense"], nbits, group_size, out_features, in_features, device, rows=PREFILL_TOKENS)
-        prefill.setdefault(backend, prefill["dense"])
-        _CHOICES[key] = KernelChoice(out_features, in_features, nbits, group_size, device.type, backend, timings,
-                                     prefill)
+        choice = _remembered(key, names, device)
+        if choice is None:
+            choice = _measure(names, nbits, group_size, out_features, in_features, device)
+            _remember(key, choice, device)
+        _CHOICES[key] = choice
     return _CHOICES[key]
+
+
+def _measure(names: list[str], nbits: int, group_size: int | None, out_features: int, in_features: int,
+             device: torch.device) -> KernelChoice:
+    timings = _time_candidates(names, nbits, group_size, out_features, in_features, device, rows=1)
+    backend = _pick(timings, nbits, device)
+    prefill = {"dense": timings["dense"]} if backend == "dense" else _time_candidates(
+        [backend, "dense"], nbits, group_size, out_features, in_features, device, rows=PREFILL_TOKENS)
+    prefill.setdefault(backend, prefill["dense"])
+    return KernelChoice(out_features, in_features, nbits, group_size, device.type, backend, timings, prefill)
+
+
+def forget() -> None:
+    """Drop every choice: this process's and this machine's remembered ones (the next build times again)."""
+    _CHOICES.clear()
+    for device in {torch.device("cpu")} | ({torch.device("cuda")} if torch.cuda.is_available() else set()):
+        path = _store_path(device)
+        if path is not None and os.path.isfile(path):
+            os.remove(path)
 
 
 def lookup(out_features: int, in_features: int, nbits: int, backend: str, device) -> KernelChoice | None:
@@ -185,3 +214,70 @@ def cpu_description() -> dict:
         pass
     return {"cpu_model": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+
+
+# ---------------------------------------------------------------- remembered choices, per machine
+
+
+def machine_identity(device: torch.device) -> dict:
+    """Everything a kernel timing depends on besides the layer's shape and the thread count."""
+    device = torch.device(device)
+    identity = {"store_version": STORE_VERSION, "torch": torch.__version__, "kernels": sorted(KERNELS),
+                "device": device.type}
+    if device.type == "cuda":
+        identity["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        cpu = cpu_description()
+        identity.update(cpu_model=cpu["cpu_model"], cpu_capability=cpu["cpu_capability"])
+    return identity
+
+
+def _store_path(device: torch.device) -> str | None:
+    root = cache_root()
+    if root is None:
+        return None
+    key = hashlib.sha256(json.dumps(machine_identity(device), sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(root, "kernel_choices", f"{key}.json")
+
+
+def _entry_key(key: tuple) -> str:
+    out_features, in_features, nbits, group_size, _, threads = key
+    return f"{out_features}x{in_features}/{nbits}-bit/group {group_size}/{threads} threads"
+
+
+def _read_store(path: str | None) -> dict:
+    if path is None or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as file:
+            content = json.load(file)
+        return content["choices"] if isinstance(content.get("choices"), dict) else {}
+    except (OSError, ValueError, AttributeError, KeyError):
+        return {}  # unreadable: measured again and rewritten
+
+
+def _remembered(key: tuple, names: list[str], device: torch.device) -> KernelChoice | None:
+    """The choice an earlier process made for this key on this machine, if it is still one of today's candidates."""
+    entry = _read_store(_store_path(device)).get(_entry_key(key))
+    try:
+        choice = KernelChoice(**{**{f.name: entry[f.name] for f in fields(KernelChoice) if f.name != "remembered"},
+                                 "remembered": True})
+    except (KeyError, TypeError):
+        return None
+    if choice.backend not in names or set(choice.microseconds) != set(names):
+        return None  # the kernel set or its fit to this shape changed: time again
+    return choice
+
+
+def _remember(key: tuple, choice: KernelChoice, device: torch.device) -> None:
+    path = _store_path(device)
+    if path is None:
+        return
+    choices = _read_store(path)
+    choices[_entry_key(key)] = {name: value for name, value in asdict(choice).items() if name != "remembered"}
+    try:
+        write_json_atomically(path, {"machine": machine_identity(device), "choices": choices})
+    except OSError as error:  # remembering is an optimisation: the choice made is still good
+        warnings.warn(f"river_hf: could not remember the measured kernel choices in {path!r} ({error}); the next "
+                      f"build times them again. Set {CACHE_ENV} to a writable folder, or {CACHE_ENV}=off.",
+                      stacklevel=3)

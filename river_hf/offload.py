@@ -41,8 +41,8 @@ from .checks import check_choice
 from .config import OFFLOAD_DESTINATIONS
 from .layers import RiverLayer, river_layers
 from .offload_choice import choose_layers
+from .user_cache import data_root
 
-CACHE_ENV = "RIVER_HF_CACHE"  # the same cache root as the calibrations (bench/calibrate.py)
 
 
 @dataclass
@@ -253,8 +253,7 @@ def _check_destination(to: str, device: torch.device) -> None:
 
 def _new_folder(folder: str | None) -> str:
     """A fresh subfolder of `folder` (made if missing) for this call's files; a clear error when it is not writable."""
-    root = folder if folder is not None else os.path.join(
-        os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "river_hf"), "offload")
+    root = folder if folder is not None else os.path.join(data_root(), "offload")
     try:
         os.makedirs(root, exist_ok=True)
         return tempfile.mkdtemp(prefix="river-offload-", dir=root)

@@ -139,9 +139,12 @@ def _backend_for_codes(requested: str, nbits: int, group_size: int | None, out_f
     """The kernel for stored codes: chosen as for a fresh layer ('fastest' measures, 'auto' takes the preferred one),
     among the kernels that can read the codes' grouping; 'dense' (any grouping, the backbone's speed) otherwise."""
     if requested == "fastest" and device.type == "cpu":
-        timings = fastest_backend(nbits, group_size, out_features, in_features, device).microseconds
-        usable = [name for name in timings if _readable(name, nbits, group_size, out_features, in_features)]
-        return min(usable, key=timings.get) if usable else "hqq"
+        choice = fastest_backend(nbits, group_size, out_features, in_features, device)
+        if _readable(choice.backend, nbits, group_size, out_features, in_features):
+            return choice.backend  # what a fresh build picks (the preferred kernel wins close calls)
+        usable = [name for name in choice.microseconds if _readable(name, nbits, group_size, out_features,
+                                                                    in_features)]
+        return min(usable, key=choice.microseconds.get) if usable else "hqq"
     backend = resolve_backend(requested, nbits, device)
     if _readable(backend, nbits, group_size, out_features, in_features):
         return backend

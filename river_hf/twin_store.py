@@ -14,6 +14,11 @@ At load, a layer's twin comes from the file only if the config asks that layer f
 the same linears are quantized (`skip_modules`), and each backbone weight has the recorded fingerprint; any other
 layer (and a head that does not match) is rebuilt with HQQ, with one `TwinsMismatchWarning` naming the layers and
 what differs. `warnings.simplefilter("error", TwinsMismatchWarning)` turns that into a refusal.
+
+A LoRA-adapted linear's twin stores the codes of its base weight W alone, under the linear's own name (as a river
+without adapters does): the LoRA on top is not stored, it is copied from the live adapter when the twin is made, so
+one twins file serves the base model and every LoRA on it (river_hf.adapters). Merged twins (DoRA, IA3, ...) store
+the merged weight's codes and fingerprint, which fit only the same adapter.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .adapters import stored_linear_name
 from .layers import make_twin, river_layers, twin_linears
 from .lm_head import river_lm_head
 from .quantize import RiverQuantLinear
@@ -110,7 +116,7 @@ def _linear_entry(key: str, linear: RiverQuantLinear, tensors: dict) -> dict:
             "fingerprint": linear.source_fingerprint}
 
 
-def _twin_config(config) -> dict:
+def twin_settings(config) -> dict:
     """The RiverQuantConfig fields the twins depend on (the kernel backend is not one: it is chosen at load)."""
     fields = ("nbits", "group_size", "axis", "start_layer", "skip_modules", "quantize_lm_head", "lm_head_nbits")
     return {name: config.to_dict()[name] for name in fields}
@@ -126,8 +132,8 @@ def save_twins(model: nn.Module, folder: str | os.PathLike) -> str:
         if layer.twin is None:
             continue
         config = layer.quant_config
-        record["config"] = _twin_config(config)
-        names = {id(module): name for name, module in layer.twin.named_modules()}
+        record["config"] = twin_settings(config)
+        names = {id(module): stored_linear_name(layer.twin, name) for name, module in layer.twin.named_modules()}
         record["layers"][str(layer.layer_idx)] = {
             "nbits": config.nbits_for(layer.layer_idx), "group_size": config.group_size_for(layer.layer_idx),
             "linears": {names[id(linear)]: _linear_entry(f"layers.{layer.layer_idx}.{names[id(linear)]}", linear,
@@ -240,15 +246,17 @@ class StoredTwins:
                             f"{self.record.get('config', {}).get('start_layer')} stored, {quant_config.start_layer} "
                             f"asked)")
         _check_asked(stored, quant_config.nbits_for(idx), quant_config.group_size_for(idx), "nbits")
-        sources: list[nn.Linear] = []  # the linears make_twin would quantize, as it hands them over (adapters merged)
+        sources: list[nn.Linear] = []  # the linears make_twin would quantize, as it hands them over
         twin = make_twin(layer, lambda linear: sources.append(linear) or linear, quant_config.skip_modules)
-        names = {id(module): name for name, module in twin.named_modules()}
-        quantized = {names[id(linear)]: linear for linear in sources}
+        paths = {id(module): name for name, module in twin.named_modules()}
+        # stored name -> (where the linear sits in the twin, the linear); an adapted linear's W is stored under the
+        # adapted linear's name, its LoRA comes from the live adapter (river_hf.adapters.LoraOnQuantized)
+        quantized = {stored_linear_name(twin, paths[id(linear)]): (paths[id(linear)], linear) for linear in sources}
         if quantized.keys() != stored["linears"].keys():
             raise _Mismatch(f"other linears are quantized (stored {sorted(stored['linears'])}, now "
                             f"{sorted(quantized)}): `skip_modules` differs")
-        for name, linear in quantized.items():
-            twin.set_submodule(name, self._linear(stored["linears"][name], linear, quant_config.backend))
+        for name, (path, linear) in quantized.items():
+            twin.set_submodule(path, self._linear(stored["linears"][name], linear, quant_config.backend))
         return twin
 
     def _linear(self, entry: dict, source: nn.Linear, backend: str) -> RiverQuantLinear:

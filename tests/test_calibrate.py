@@ -8,6 +8,7 @@ import pytest
 
 import river_hf
 from river_hf import RiverQuantConfig
+from river_hf import user_cache
 from river_hf.bench import calibrate
 from river_hf.bench.calibrate import CalibrationError, Probe, search_tau
 from river_hf.bench.fidelity import backbone_references, measure_fidelity
@@ -78,7 +79,7 @@ def test_target_must_be_a_share(target):
 
 # ---- the calibration file ---------------------------------------------------------------------------------------
 def test_calibrations_are_kept_per_model_and_twins(tmp_path, monkeypatch):
-    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
     four = calibrate.calibration_key("m", RiverQuantConfig(nbits=4), "cpu")
     eight = calibrate.calibration_key("m", RiverQuantConfig(nbits=8, group_size=None), "cpu")
     calibrate.save_calibration(four, {"tau": 0.97})
@@ -90,7 +91,7 @@ def test_calibrations_are_kept_per_model_and_twins(tmp_path, monkeypatch):
 
 
 def test_a_corrupt_calibration_file_says_what_to_do(tmp_path, monkeypatch):
-    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
     (tmp_path / "calibration.json").write_text("{oops")
     with pytest.raises(ValueError, match="delete it and run `river-hf calibrate`"):
         calibrate.load_calibrations()
@@ -127,7 +128,7 @@ def calibrate_cli(tiny, *extra):
 
 def test_calibrated_tau_meets_the_target_and_generate_reads_it_back(tiny, tiny_references, tmp_path, monkeypatch,
                                                                      capsys):
-    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
     model, references = tiny_references
     full_quant = measure_fidelity(model, references, RiverSettings(tau=-1, exit_signal="cosine")).match
     assert full_quant < 1.0, "the tiny model's twins should miss some tokens"
@@ -147,14 +148,14 @@ def test_calibrated_tau_meets_the_target_and_generate_reads_it_back(tiny, tiny_r
 
 
 def test_tau_auto_without_a_calibration_takes_the_measured_default(tiny, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
     assert main(["generate", "hi", "--model", tiny[0], "--tau", "auto", "--exit-signal", "cosine", *TWINS,
                  "--max-new-tokens", "2"]) == 0
     assert "no `river-hf calibrate` result saved" in capsys.readouterr().err
 
 
 def test_a_cosine_calibration_is_not_used_for_another_signal(tiny, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
     assert calibrate_cli(tiny, "--target-match", "0.5") == 0
     capsys.readouterr()
     assert main(["generate", "hi", "--model", tiny[0], *TWINS, "--max-new-tokens", "2"]) == 0  # confidence
@@ -163,7 +164,7 @@ def test_a_cosine_calibration_is_not_used_for_another_signal(tiny, tmp_path, mon
 
 
 def test_an_unreachable_target_is_a_usage_error_with_the_best_match(tiny, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path))
     with pytest.raises(SystemExit) as info:  # hi = -0.5: every token exits at start_layer, as in full quantization
         calibrate_cli(tiny, "--target-match", "1.0", "--tau-range", "-1", "-0.5")
     assert info.value.code == 2

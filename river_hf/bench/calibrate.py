@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..config import RiverQuantConfig
 from ..models import DEFAULT_GGUF_FILE, build_chat_inputs, resolve_model_path
+from ..user_cache import data_root
 from .fidelity import Reference, backbone_references
 from .systems import river_system, twin_description
 
@@ -28,7 +29,6 @@ SIGNAL = "cosine"  # what `river-hf calibrate` searches the tau of (and `--tau a
 DEFAULT_TAU_RANGE = (-1.0, 0.999)  # tau > 1 is the backbone itself: 0.999 is the most faithful tau that may exit
 DEFAULT_TOLERANCE = 0.002
 DEFAULT_MAX_STEPS = 8
-CACHE_ENV = "RIVER_HF_CACHE"
 CALIBRATION_FILE = "calibration.json"
 
 
@@ -134,8 +134,7 @@ def check_tau_range(lo: float, hi: float) -> None:
 
 # ---- the calibration file ---------------------------------------------------------------------------------------
 def calibration_path() -> Path:
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "river_hf")
-    return Path(root).expanduser() / CALIBRATION_FILE
+    return Path(data_root()).expanduser() / CALIBRATION_FILE
 
 
 def model_id(model: str | None, gguf_file: str | None = None) -> str:

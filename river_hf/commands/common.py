@@ -21,7 +21,7 @@ from .. import kernel_choice
 from ..config import AUTO_NBITS, RiverQuantConfig, bits_label
 from ..generation import RiverConfig
 from ..models import load_model_and_tokenizer
-from ..patching import build_river
+from ..twin_cache import build_river_cached, has_kept_twins
 from ..settings import AUTO_TAU, PREFILL_EXITS, RiverSettings, river_field_help
 from ..signals import signal_names
 from ..strategies import strategy_names
@@ -182,10 +182,11 @@ def build(model, quant_config: RiverQuantConfig):
     """`build_river`, announced on stderr (quantizing takes a while)."""
     layers = max(num_layers(model) - quant_config.start_layer, 0)
     bits = bits_label(quant_config.resolved_nbits(num_layers(model)))
-    print(f"building river: quantizing {layers} layers ({bits}-bit twins, group "
+    how = "reading the twins an earlier run kept for" if has_kept_twins(model, quant_config) else "quantizing"
+    print(f"building river: {how} {layers} layers ({bits}-bit twins, group "
           f"{quant_config.group_size})...", file=sys.stderr, flush=True)
     with user_errors():  # e.g. --start-layer beyond the model's depth
-        model = build_river(model, quant_config)
+        model = build_river_cached(model, quant_config)  # the twins of an earlier run, when they fit
     for choice in kernel_choice.measured_choices():
         print(f"  kernel, measured ({kernel_choice.cpu_description()['cpu_capability']}): {choice.describe()}",
               file=sys.stderr)
