@@ -8,7 +8,8 @@ model loaded with `quantization_config`). Then each load runs in a fresh subproc
 between loads, imports not counted), the systems interleaved round after round, and the median per system is
 reported with its ratio to the plain load. The saved loads run with HQQ disabled, so they prove they quantize
 nothing. Both kernel choices are shown: `backend="fastest"` (the default: times the kernels per layer shape at
-load) and `backend="auto"` (the device's preferred kernel, no timing).
+load, once per machine: later loads read the remembered choices; the first load on a machine is shown apart) and
+`backend="auto"` (the device's preferred kernel, no timing).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from river_hf.user_cache import CACHE_ENV
+
 BACKENDS = ("fastest", "auto")
 TWIN_FIELDS = ("nbits", "group_size", "start_layer", "quantize_lm_head", "lm_head_nbits")
 
@@ -34,6 +37,10 @@ def systems(folder: str) -> dict[str, list[str]]:
     for backend in BACKENDS:
         entries[f"re-quantizing river ({backend})"] = ["quantize", plain, backend]
         entries[f"saved river ({backend})"] = ["saved", os.path.join(folder, f"river-{backend}"), backend]
+    # The kernel choices `fastest` measured are remembered per machine (river_hf.kernel_choice): every load above
+    # after the first reads them. A machine's first load times them, as this one does (nothing remembered).
+    entries["saved river (fastest), first load on a machine"] = ["saved-first", os.path.join(folder, "river-fastest"),
+                                                                 "fastest"]
     return entries
 
 
@@ -77,6 +84,9 @@ def child(kind: str, folder: str, backend: str) -> None:
     from river_hf import RiverQuantConfig, quantize
 
     kwargs = {"dtype": torch.bfloat16}
+    if kind == "saved-first":
+        kind = "saved"
+        os.environ[CACHE_ENV] = "off"  # remember nothing, read nothing: time the kernels as on a new machine
     if kind == "quantize":
         kwargs["quantization_config"] = RiverQuantConfig(backend=backend)
     if kind == "saved":
@@ -114,6 +124,8 @@ def main(argv=None) -> dict:
     from river_hf.kernel_choice import cpu_description
 
     folder = args.folder or tempfile.mkdtemp(prefix="river-load-time-")
+    user_cache = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = os.path.join(folder, "cache")  # the remembered kernel choices of this run only
     try:
         info = prepare(folder, args.model)
         entries = systems(folder)
@@ -124,6 +136,10 @@ def main(argv=None) -> dict:
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:  # rotate: no fixed first slot
                 times[name].append(run_child(entries[name]))
     finally:
+        if user_cache is None:
+            os.environ.pop(CACHE_ENV)
+        else:
+            os.environ[CACHE_ENV] = user_cache
         if args.folder is None:
             shutil.rmtree(folder, ignore_errors=True)
     print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}  {json.dumps(cpu_description())}")

@@ -9,6 +9,7 @@ untouched backbone: the layers see a plain cache and never call a twin.
 from __future__ import annotations
 
 import dataclasses
+import os
 from contextlib import contextmanager
 
 from transformers import GenerationConfig
@@ -109,9 +110,11 @@ class RiverGenerationMixin:
         RiverQuantConfig anyway (a model loaded with `quantization_config=RiverQuantConfig(...)`), whose folder loads
         as a river; a river made with `build_river` saves the plain backbone, as before. A save without twins removes
         an old twins file from the folder."""
+        save_twins = getattr(self, "_river_pushing_twins", None) if save_twins is None else save_twins
         save_twins = self._saves_twins_by_default() if save_twins is None else save_twins
         if not isinstance(save_twins, bool):
             raise ValueError(f"`save_twins` must be True, False or None (the default); got {save_twins!r}.")
+        push = kwargs.pop("push_to_hub", False) and save_twins  # transformers would upload before the twins exist
         with _river_quant_config_saved(self, save_twins), backbone_layers(self), original_lm_head(self):
             result = super().save_pretrained(save_directory, *args, **kwargs)
         if not kwargs.get("is_main_process", True):
@@ -120,7 +123,21 @@ class RiverGenerationMixin:
             twin_store.save_twins(self, save_directory)
         else:
             twin_store.remove_twins(save_directory)
+        if push:  # saved here with the twins; now the same files go up through push_to_hub
+            hub_kwargs = {name: kwargs[name] for name in ("commit_message", "create_pr", "token", "private")
+                          if name in kwargs}
+            repo_id = kwargs.get("repo_id", os.fspath(save_directory).rstrip(os.sep).split(os.sep)[-1])
+            return self.push_to_hub(repo_id, save_twins=True, **hub_kwargs)
         return result
+
+    def push_to_hub(self, repo_id: str, *args, save_twins: bool | None = None, **kwargs):
+        """transformers' `push_to_hub`, whose upload holds the twins file when `save_twins` (or the default of
+        `save_pretrained`: a model loaded with a RiverQuantConfig) says to save them."""
+        self._river_pushing_twins = save_twins  # push_to_hub calls save_pretrained without our arguments
+        try:
+            return super().push_to_hub(repo_id, *args, **kwargs)
+        finally:
+            del self._river_pushing_twins
 
     def _saves_twins_by_default(self) -> bool:
         return isinstance(getattr(self.config, "quantization_config", None), RiverQuantConfig)

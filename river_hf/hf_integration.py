@@ -8,6 +8,12 @@ transformers' own `HqqConfig` quantize-on-load is broken in 5.x (no `get_quantiz
 
 from __future__ import annotations
 
+import json
+import os
+import warnings
+
+import huggingface_hub
+from huggingface_hub.errors import RemoteEntryNotFoundError
 from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
@@ -19,7 +25,7 @@ from transformers.quantizers.auto import (
 from .config import RIVER_QUANT_METHOD, RiverQuantConfig
 from .offload import offload_backbone
 from .patching import build_river
-from .twin_store import StoredTwins
+from .twin_store import TWINS_FILE, StoredTwins, StoredTwinsError
 
 
 class RiverHfQuantizer(HfQuantizer):
@@ -30,7 +36,7 @@ class RiverHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         # Twins saved beside the checkpoint (save_pretrained(..., save_twins=True)) are read and checked now: a
         # corrupted file fails before the backbone's weights are loaded, and nothing is half built.
-        self.stored_twins = StoredTwins.next_to(checkpoint_files)
+        self.stored_twins = StoredTwins.next_to(checkpoint_files) or _twins_from_hub(checkpoint_files)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -51,6 +57,45 @@ class RiverHfQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+
+def _twins_from_hub(checkpoint_files) -> StoredTwins | None:
+    """A river pushed to the hub (`push_to_hub`): transformers downloads its weights and config, not the twins file.
+    When the checkpoint is a hub snapshot whose config.json names the river quantizer, fetch the twins file of the
+    same revision; a repo without one, or a fetch that fails (offline: with a warning), leaves the twins to HQQ."""
+    repo = _hub_snapshot(os.path.dirname(str(checkpoint_files[0]))) if checkpoint_files else None
+    if repo is None:
+        return None
+    repo_id, revision, cache_dir = repo
+    try:
+        return StoredTwins.read(huggingface_hub.hf_hub_download(repo_id, TWINS_FILE, revision=revision,
+                                                                cache_dir=cache_dir))
+    except RemoteEntryNotFoundError:
+        return None
+    except StoredTwinsError:  # downloaded but damaged: refused like a local file
+        raise
+    except (OSError, ValueError) as error:  # offline, no network, a hub error: the river is still built, slowly
+        warnings.warn(f"river: could not fetch {TWINS_FILE} of {repo_id} ({type(error).__name__}: {error}); the "
+                      f"twins are quantized with HQQ instead.", stacklevel=3)
+        return None
+
+
+def _hub_snapshot(folder: str) -> tuple[str, str, str] | None:
+    """(repo id, revision, hub cache folder) when `folder` is a hub snapshot (<cache>/models--org--name/snapshots/
+    <revision>) of a river (config.json names the river quantizer); else None."""
+    snapshots, revision = os.path.split(os.path.normpath(folder))
+    repo_folder, name = os.path.split(snapshots)
+    cache_dir, repo_name = os.path.split(repo_folder)
+    if name != "snapshots" or not repo_name.startswith("models--"):
+        return None
+    try:
+        with open(os.path.join(folder, "config.json")) as file:
+            method = (json.load(file).get("quantization_config") or {}).get("quant_method")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if method != RIVER_QUANT_METHOD:
+        return None
+    return repo_name.removeprefix("models--").replace("--", "/"), revision, cache_dir
 
 
 def register_with_transformers() -> None:
