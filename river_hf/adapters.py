@@ -1,15 +1,18 @@
 """PEFT adapters (LoRA and peft's other tuner layers) inside the river's decoder layers.
 
-A LoRA-adapted linear computes W x + scaling * B A x. Its twin is one `RiverQuantLinear` of the merged weight
-W + scaling * B A of the adapters active when the river was built: peft's own `merge` makes that weight, on a copy of
-the adapter layer (the model's weights are never touched). Keeping B A in full precision on top of a quantized W was
-measured against it and was not more faithful, at two extra matmuls per adapted linear (docs/peft.md).
+A LoRA-adapted linear computes W x + scaling * B A x. Its twin is a `LoraOnQuantized`: the quantized base weight W
+plus the LoRA of the adapters active when the river was built, in full precision on top (two rank-r matmuls per
+adapted linear per twin step). On the packaged SmolLM2 that measured more faithful than quantizing the merged weight
+W + scaling * B A (docs/peft.md), and it keeps a twin linear's codes those of W alone (so a saved river's twins serve
+the base model and every LoRA on it). Other variants (DoRA, a LoRA bias, ...) and peft's other tuners (IA3, LoHa,
+...) become one quantized linear of peft's own merge of them, made on a copy of the adapter layer (the model's
+weights are never touched).
 
-The twins are a snapshot of the adapter state. A fingerprint of that state (which tuner layers exist, their active
-and merged adapters, whether adapters are disabled, the identity and version of their tensors) is recorded when the
-river is built and checked whenever a river generate makes its cache: after `set_adapter`, `load_adapter`,
-`disable_adapters`, `merge_and_unload`, ... a river generate raises and says to rebuild the river. Plain generate
-runs the backbone, adapters and all, whatever their state.
+The twins are a snapshot of the adapter state (the LoRA weights in a twin are copies). A fingerprint of that state
+(which tuner layers exist, their active and merged adapters, whether adapters are disabled, the identity and version
+of their tensors) is recorded when the river is built and checked whenever a river generate makes its cache: after
+`set_adapter`, `load_adapter`, `disable_adapters`, `merge_and_unload`, training, ... a river generate raises and
+says to rebuild the river. Plain generate runs the backbone, adapters and all, whatever their state.
 
 peft is imported only when it is already loaded (a model cannot carry peft layers otherwise), so river_hf imports
 and runs without it.
@@ -20,7 +23,9 @@ from __future__ import annotations
 import copy
 import sys
 
+import torch
 from torch import nn
+from torch.nn import functional as F
 
 REBUILD = "Rebuild the river: `river_hf.remove_river(model)`, then `river_hf.build_river(model, quant_config)`."
 
@@ -53,15 +58,97 @@ def twin_replacements(layer: nn.Module, is_skipped) -> dict[str, nn.Module]:
     """For each tuner layer in decoder layer `layer`: the module its twin holds at that name.
 
     A skipped one (`is_skipped(name)`, from `skip_modules`) is the backbone's own adapter layer, shared (full
-    precision, and any adapter change reaches it); any other becomes an `nn.Linear` holding what the adapter layer
-    computes now (base weight plus its active adapters), which the twin then quantizes. Raises ValueError, before
-    anything is changed, for an adapter on a module that is not a linear.
+    precision, and any adapter change reaches it); any other becomes what `twin_of_adapted` makes, whose nn.Linear
+    the twin then quantizes. Raises ValueError, before anything is changed, for an adapter on a module that is not a
+    linear.
     """
     layers = tuner_layers(layer)
     for name, adapted in layers:
         if not is_skipped(name):
             _check_linear(name, adapted)
-    return {name: adapted if is_skipped(name) else merged_linear(adapted) for name, adapted in layers}
+    return {name: adapted if is_skipped(name) else twin_of_adapted(adapted) for name, adapted in layers}
+
+
+def twin_of_adapted(adapted: nn.Module) -> nn.Module:
+    """What a twin holds for the tuner layer `adapted` (on an nn.Linear): a `LoraOnQuantized` around its base linear
+    for a plain LoRA, else one nn.Linear of what it computes now (peft's merge on a copy: DoRA, IA3, LoHa, ...)."""
+    adapters = plain_lora_adapters(adapted)
+    if adapters is None:
+        return merged_linear(adapted)
+    return LoraOnQuantized(adapted.get_base_layer(), adapters,
+                           cast_input=getattr(adapted, "cast_input_dtype_enabled", True))
+
+
+LoraWeights = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", float]  # A, B, B's bias, scaling
+
+
+def plain_lora_adapters(adapted: nn.Module) -> list[LoraWeights] | None:
+    """[(A [r, K], B [N, r], B's bias [N] or None (`lora_bias`), scaling)] copies, one per active adapter of a LoRA
+    `Linear` that adds scaling * B(A x) to its base and nothing else; None where that is not what it computes now:
+    adapters disabled or merged into the base (the base alone is then exact), a variant (DoRA, ...), fan-in-fan-out,
+    or not a LoRA layer at all."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    if not isinstance(adapted, LoraLinear) or adapted.disable_adapters or adapted.merged or adapted.fan_in_fan_out:
+        return None
+    present = [name for name in adapted.active_adapters if name in adapted.lora_A]  # peft skips the others too
+    if not present or any(_is_variant(adapted, name) for name in present):
+        return None
+    return [(_copy(adapted.lora_A[name].weight), _copy(adapted.lora_B[name].weight), _copy(adapted.lora_B[name].bias),
+             adapted.scaling[name]) for name in present]
+
+
+def _copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach().clone()
+
+
+def _is_variant(adapted: nn.Module, name: str) -> bool:
+    return (name in getattr(adapted, "lora_variant", {}) or bool(getattr(adapted, "use_dora", {}).get(name))
+            or adapted.lora_A[name].bias is not None)
+
+
+class LoraOnQuantized(nn.Module):
+    """The twin of a LoRA-adapted linear: quantized(W)(x) + sum over the adapters of scaling * B(A(x)), in peft's
+    own order of operations (x cast to the LoRA weights' dtype, the sum cast back to the base output's dtype; no
+    dropout: inference).
+
+    `quantized` holds the adapted layer's base nn.Linear until make_twin replaces it by its quantized twin; the LoRA
+    weights are copies, as buffers (`down_i` = A, `up_i` = B, `up_bias_i`; a snapshot, like the quantized W: the adapter
+    fingerprint asks for a rebuild when the backbone's change). Deliberately nothing peft recognises: not a tuner
+    layer, no `base_layer`, no `lora_` names, so peft's set_adapter, merge_and_unload, get_peft_model_state_dict, ...
+    never visit it. A saved river stores `quantized` under the adapted linear's own name (`stored_linear_name`)."""
+
+    def __init__(self, base: nn.Module, adapters: list[LoraWeights], cast_input: bool = True):
+        super().__init__()
+        self.quantized = base
+        self.scalings = [float(scaling) for *_, scaling in adapters]
+        self.cast_input = cast_input  # peft's `cast_input_dtype_enabled`
+        for idx, (down, up, up_bias, _) in enumerate(adapters):
+            self.register_buffer(f"down_{idx}", down)  # A [r, K]
+            self.register_buffer(f"up_{idx}", up)  # B [N, r]
+            self.register_buffer(f"up_bias_{idx}", up_bias)  # [N] or None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
+        result = self.quantized(x)
+        dtype = result.dtype
+        for idx, scaling in enumerate(self.scalings):
+            buffers = self._buffers
+            down, up, up_bias = buffers[f"down_{idx}"], buffers[f"up_{idx}"], buffers[f"up_bias_{idx}"]
+            if self.cast_input and x.dtype != down.dtype:
+                x = x.to(down.dtype)
+            result = result + F.linear(F.linear(x, down), up, up_bias) * scaling
+        return result.to(dtype)
+
+    def extra_repr(self) -> str:
+        ranks = [self._buffers[f"down_{idx}"].shape[0] for idx in range(len(self.scalings))]
+        return f"ranks={ranks}, scalings={self.scalings}"
+
+
+def stored_linear_name(twin: nn.Module, name: str) -> str:
+    """The name a saved river stores twin linear `name` under: a `LoraOnQuantized`'s quantized W goes by the adapted
+    linear's own name ("self_attn.q_proj", as in a river without adapters), so its codes fit both."""
+    parent, _, child = name.rpartition(".")
+    return parent if child == "quantized" and isinstance(twin.get_submodule(parent), LoraOnQuantized) else name
 
 
 def _check_linear(name: str, adapted: nn.Module) -> None:

@@ -94,8 +94,9 @@ def _clock(tensor: torch.Tensor) -> float:
 def make_twin(layer: nn.Module, quantize_linear, skip_modules: list[str]) -> nn.Module:
     """A copy of `layer` whose nn.Linear modules are quantized; every other parameter is shared, not copied.
 
-    `quantize_linear(linear) -> nn.Module` makes one quantized linear layer. A peft adapter layer (LoRA) is
-    quantized as one linear of its merged weight (base + active adapters); a skipped one is shared as it is
+    `quantize_linear(linear) -> nn.Module` makes one quantized linear layer. A LoRA-adapted linear becomes its
+    quantized base weight with the active LoRA in full precision on top (`adapters.LoraOnQuantized`); other peft
+    adapter layers (DoRA, IA3, ...) one quantized linear of their merged weight; a skipped one is shared as it is
     (river_hf.adapters).
     """
     def is_skipped(name: str) -> bool:

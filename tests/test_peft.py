@@ -1,8 +1,9 @@
 """Rivers on LoRA-adapted models (river_hf.adapters): a `peft.PeftModel`, and a transformers model carrying LoRA layers
 in place (what transformers' `add_adapter` / `load_adapter` build, through `peft.inject_adapter_in_model`).
 
-The twin of an adapted linear is one quantized linear of its merged weight; the references below are built
-independently, from peft's own `merge_and_unload`.
+The twin of a LoRA-adapted linear is its quantized base weight with the LoRA in full precision on top; other variants
+(DoRA) and other tuners (IA3) become one quantized linear of their merged weight. The references below are built
+independently: from peft's own LoRA layers with their base layer quantized, and from peft's own `merge_and_unload`.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import sys
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, inject_adapter_in_model
+from peft import IA3Config, LoraConfig, PeftModel, get_peft_model, inject_adapter_in_model
 from peft.functional import delete_adapter, set_adapter
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers.pytorch_utils import Conv1D
 
 import river_hf
 from river_hf import RiverQuantConfig
+from river_hf.adapters import LoraOnQuantized
 from river_hf.architectures import find_decoder_layers
 from river_hf.layers import RiverLayer, make_twin
 from river_hf.quantize import RiverQuantLinear
@@ -54,6 +56,25 @@ def adapted(request):
     return MAKERS[request.param]()
 
 
+def quantize(linear):
+    return RiverQuantLinear.from_linear(linear, nbits=4, group_size=64, backend="auto")  # what river_of asks
+
+
+def lora_on_quantized_full_quantization(adapted_model):
+    """Independent reference for tau = -1: the adapted model whose layers from START on run peft's own LoRA layers
+    over a quantized base linear (quantized W + the full-precision LoRA, peft's forward), every other linear there
+    quantized; the layers before START stay adapted."""
+    reference = copy.deepcopy(adapted_model)
+    for layer in find_decoder_layers(reference)[START:]:
+        for module in list(layer.modules()):
+            if isinstance(module, BaseTunerLayer):
+                module.base_layer = quantize(module.get_base_layer())
+        for name, module in list(layer.named_modules()):
+            if type(module) is torch.nn.Linear and "lora_" not in name:
+                layer.set_submodule(name, quantize(module))
+    return reference
+
+
 def merged_full_quantization(adapted_model):
     """Independent reference for tau = -1: the adapted model whose layers from START on are twins quantized from
     peft's own merge of the adapters (`merge_and_unload` on a copy); the layers before START stay adapted."""
@@ -61,10 +82,6 @@ def merged_full_quantization(adapted_model):
     merged = copy.deepcopy(adapted_model)
     merged = merged.merge_and_unload() if isinstance(merged, PeftModel) else _merged_in_place(merged)
     layers, merged_layers = find_decoder_layers(reference), find_decoder_layers(merged)
-
-    def quantize(linear):
-        return RiverQuantLinear.from_linear(linear, nbits=4, group_size=64, backend="auto")
-
     for idx in range(START, NUM_LAYERS):
         layers[idx] = make_twin(merged_layers[idx], quantize, [])
     return reference
@@ -96,21 +113,91 @@ def test_tau_above_one_equals_the_adapted_model(arch, maker, prompt_ids):
     out.cache.check_kv_integrity()
 
 
-def test_tau_minus_one_equals_twins_of_the_adapted_layers(adapted, prompt_ids):
-    reference = merged_full_quantization(adapted)
-    river_of(adapted)
-    out = generate(adapted, prompt_ids, tau=-1, output_logits=True)
+def assert_tau_minus_one_equals(model, reference, prompt_ids):
+    out = generate(model, prompt_ids, tau=-1, output_logits=True)
     expected = generate(reference, prompt_ids, output_logits=True)
     assert (out.cache.exit_depth == START).all()
     assert torch.equal(out.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits))
+    out.cache.check_kv_integrity()
 
 
-def test_twins_are_single_quantized_linears(adapted):
+def test_tau_minus_one_equals_quantized_w_plus_the_full_precision_lora(adapted, prompt_ids):
+    reference = lora_on_quantized_full_quantization(adapted)
+    merged = merged_full_quantization(adapted)
     river_of(adapted)
-    twin = river_hf.river_layers(adapted)[START].twin
+    assert_tau_minus_one_equals(adapted, reference, prompt_ids)
+    # the two candidates differ here, so the comparison above tells them apart
+    with torch.no_grad():
+        assert not torch.allclose(reference(prompt_ids).logits, merged(prompt_ids).logits)
+
+
+def test_lora_twins_are_quantized_w_with_a_copy_of_the_lora(adapted):
+    river_of(adapted)
+    layer = river_hf.river_layers(adapted)[START]
+    twin, backbone = layer.twin, layer.base_layer
     assert not [name for name, module in twin.named_modules() if isinstance(module, BaseTunerLayer)]
+    assert not [name for name, _ in twin.named_modules() if "lora_" in name or name.endswith("base_layer")]
+    assert isinstance(twin.self_attn.k_proj, RiverQuantLinear)  # not adapted: a plain twin linear
+    for name in ("self_attn.q_proj", "mlp.down_proj"):
+        lora, adapted_linear = twin.get_submodule(name), backbone.get_submodule(name)
+        assert isinstance(lora, LoraOnQuantized) and isinstance(lora.quantized, RiverQuantLinear)
+        assert torch.equal(lora.quantized.dequantized_weight(),  # the codes of W alone
+                           quantize(adapted_linear.get_base_layer()).dequantized_weight())
+        down, up = adapted_linear.lora_A["default"].weight, adapted_linear.lora_B["default"].weight
+        assert torch.equal(lora.down_0, down) and torch.equal(lora.up_0, up)
+        assert lora.down_0.data_ptr() != down.data_ptr() and lora.scalings == [adapted_linear.scaling["default"]]
+
+
+def test_a_lora_bias_stays_on_top_too(prompt_ids):
+    torch.manual_seed(3)
+    model = get_peft_model(tiny_model("llama"), lora_config(lora_bias=True)).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.lora_B["default"].bias.normal_()  # peft starts it at zero
+    reference = lora_on_quantized_full_quantization(model)
+    river_of(model)
+    lora_twin = river_hf.river_layers(model)[START].twin.self_attn.q_proj
+    assert isinstance(lora_twin, LoraOnQuantized) and lora_twin.up_bias_0 is not None
+    assert_tau_minus_one_equals(model, reference, prompt_ids)
+
+
+VARIANTS = {  # adapters that are not a plain LoRA: their twins quantize peft's merge
+    "dora": lambda: get_peft_model(tiny_model("llama"), lora_config(use_dora=True)),
+    "ia3": lambda: get_peft_model(tiny_model("llama"), IA3Config(target_modules=TARGETS, init_ia3_weights=False,
+                                                                 feedforward_modules=["down_proj"])),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variants_and_other_tuners_take_the_merged_twin(variant, prompt_ids):
+    torch.manual_seed(3)
+    model = VARIANTS[variant]().eval()
+    assert not torch.equal(generate(model, prompt_ids).sequences, generate(tiny_model("llama"), prompt_ids).sequences)
+    expected = generate(model, prompt_ids).sequences
+    reference = merged_full_quantization(model)
+    river_of(model)
+    twin = river_hf.river_layers(model)[START].twin
     assert isinstance(twin.self_attn.q_proj, RiverQuantLinear) and isinstance(twin.mlp.down_proj, RiverQuantLinear)
+    assert not any(isinstance(module, LoraOnQuantized) for module in twin.modules())
+    assert torch.equal(generate(model, prompt_ids, tau=1.5).sequences, expected)
+    assert_tau_minus_one_equals(model, reference, prompt_ids)
+
+
+@pytest.mark.parametrize("state", ["disabled", "merged"])
+def test_disabled_or_merged_adapters_give_one_twin_of_the_base_weight(state, prompt_ids):
+    # what peft computes then is its base layer alone: W (disabled), or W with the adapters merged in
+    model = peft_model_of()
+    reference = merged_full_quantization(model) if state == "merged" else river_of(tiny_model("llama"))
+    if state == "merged":
+        model.merge_adapter()
+    else:
+        model.base_model.disable_adapter_layers()
+    river_of(model)
+    assert isinstance(river_hf.river_layers(model)[START].twin.self_attn.q_proj, RiverQuantLinear)
+    expected = generate(reference, prompt_ids, tau=-1) if state == "disabled" else generate(reference, prompt_ids)
+    assert torch.equal(generate(model, prompt_ids, tau=-1).sequences, expected.sequences)
 
 
 def test_mixed_exits_keep_every_position_in_cache(adapted, prompt_ids, scripted_exits):
@@ -199,8 +286,13 @@ def test_merge_and_unload_then_rebuild(prompt_ids, merge):
     # merged: what peft's merge computes; unloaded: the original model (unload drops the adapters, weights untouched)
     expected = generate(copy.deepcopy(model).merge_and_unload() if merge else tiny_model("llama"), prompt_ids).sequences
     river_of(model)
+    twin = river_hf.river_layers(model)[START].twin
+    lora_twin, twin_modules = twin.self_attn.q_proj, dict(twin.named_modules())
+    down = lora_twin.down_0.clone()
     base = model.merge_and_unload() if merge else model.unload()
     assert river_hf.is_river(base)  # the river was on this model all along
+    # peft's unload visited the backbone's adapter layers only: the twins are as built
+    assert dict(twin.named_modules()) == twin_modules and torch.equal(lora_twin.down_0, down)
     with pytest.raises(ValueError, match="adapter layer gone"):
         generate(base, prompt_ids, tau=-1)
     assert torch.equal(generate(base, prompt_ids).sequences, expected)
@@ -279,7 +371,7 @@ def test_skipping_the_non_linear_shares_the_adapted_layer(prompt_ids):
     river_of(model, skip_modules=["down_proj"])
     layer = river_hf.river_layers(model)[START]
     assert layer.twin.mlp.down_proj is layer.base_layer.mlp.down_proj  # the adapted Conv1D itself, unquantized
-    assert isinstance(layer.twin.self_attn.q_proj, RiverQuantLinear)
+    assert isinstance(layer.twin.self_attn.q_proj, LoraOnQuantized)  # an nn.Linear: peft unset fan_in_fan_out
     assert torch.equal(generate(model, prompt_ids, tau=1.5).sequences, expected)
     generate(model, prompt_ids, tau=-1).cache.check_kv_integrity()
 
