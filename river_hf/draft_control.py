@@ -22,6 +22,7 @@ from .settings import DRAFT_HEURISTIC
 
 PROBE_STEPS = 3  # plain backbone steps that measure t_plain before the first draft
 MIN_ROUNDS = 2  # draft rounds measured before the fallback may engage
+MAX_SKIPPED_CALLS = 16  # after repeated fallbacks, at most this many calls in a row skip drafting before a probe
 HEURISTIC_START, HEURISTIC_MAX = 4, 16
 BACKBONE_CHOSE = -1  # DraftRecord.draft_depth of a token the backbone chose itself
 
@@ -50,6 +51,7 @@ class DraftRecord:
     plain_steps: int = 0
     plain_seconds: float = 0.0
     fell_back_at: int | None = None  # generated tokens when the fallback engaged; None: it never did
+    fallback_remembered: bool = False  # earlier calls fell back (FallbackMemory): this one decoded plainly throughout
 
     @property
     def drafted(self) -> int:
@@ -80,21 +82,60 @@ class DraftRecord:
         return {"new_tokens": len(self.draft_depth), "rounds": len(self.rounds), "drafted": self.drafted,
                 "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
                 "backbone_passes": self.backbone_passes, "tokens_per_backbone_pass": self.tokens_per_backbone_pass,
-                "plain_steps": self.plain_steps, "fell_back_at": self.fell_back_at, "draft_seconds": draft_s,
+                "plain_steps": self.plain_steps, "fell_back_at": self.fell_back_at,
+                "fallback_remembered": self.fallback_remembered, "draft_seconds": draft_s,
                 "verify_seconds": sum(r.verify_seconds for r in self.rounds), "rejected_draft_seconds": rejected_s,
                 "plain_seconds": self.plain_seconds}
 
 
-class DraftControl:
-    """The draft length of the next round (0: a plain backbone step) and the fallback rule, from timed steps."""
+@dataclass
+class FallbackMemory:
+    """The fallback's verdicts across calls, for one river and one setting (signal, tau, draft length).
 
-    def __init__(self, num_draft_tokens, fallback: bool, record: DraftRecord, clock=time.perf_counter):
+    A call that fell back measured that drafting does not pay on this machine; probing again costs the next call its
+    PROBE_STEPS + MIN_ROUNDS measured steps (about 14 tokens of SmolLM2 on AVX2: most of the lossless mode's 4.5%
+    loss there). So after a call falls back, the next 1, 2, 4, ... (at most MAX_SKIPPED_CALLS) calls in a row decode
+    on the plain backbone from their first step, and then one call probes again (acceptance depends on the text, so
+    no verdict is final). A call whose drafting paid resets it."""
+
+    fallbacks_in_a_row: int = 0
+    calls_to_skip: int = 0
+
+    def skips_next_call(self) -> bool:
+        if self.calls_to_skip <= 0:
+            return False
+        self.calls_to_skip -= 1
+        return True
+
+    def call_done(self, record: DraftRecord) -> None:
+        if record.fell_back_at is None:
+            self.fallbacks_in_a_row = self.calls_to_skip = 0
+        else:
+            self.fallbacks_in_a_row += 1
+            self.calls_to_skip = min(2 ** (self.fallbacks_in_a_row - 1), MAX_SKIPPED_CALLS)
+
+
+class DraftControl:
+    """The draft length of the next round (0: a plain backbone step) and the fallback rule, from timed steps.
+    `memory`: the verdicts of earlier calls with the same setting; when they say to skip this call, it decodes on
+    the plain backbone from its first step (`DraftRecord.fallback_remembered`)."""
+
+    def __init__(self, num_draft_tokens, fallback: bool, record: DraftRecord, clock=time.perf_counter,
+                 memory: FallbackMemory | None = None):
         self.heuristic = num_draft_tokens == DRAFT_HEURISTIC
         self.length = HEURISTIC_START if self.heuristic else int(num_draft_tokens)
         self.fallback = fallback
         self.record = record
         self.clock = clock
         self.plain_times: list[float] = []  # seconds of each plain step
+        self.memory = memory if fallback else None
+        if self.memory is not None and self.memory.skips_next_call():
+            record.fell_back_at, record.fallback_remembered = 0, True
+
+    def call_done(self) -> None:
+        """Tell the memory what this call measured (a call that only obeyed it measured nothing)."""
+        if self.memory is not None and not self.record.fallback_remembered:
+            self.memory.call_done(self.record)
 
     def draft_length(self, budget: int) -> int:
         """Tokens to draft next, given that at most `budget` tokens may still be generated (a round appends up to

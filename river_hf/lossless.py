@@ -28,7 +28,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .acceptance import greedy_accept, speculative_accept
 from .cache import RiverCache
-from .draft_control import BACKBONE_CHOSE, DraftControl, DraftRecord, DraftRound
+from .draft_control import BACKBONE_CHOSE, DraftControl, DraftRecord, DraftRound, FallbackMemory
+from .layers import river_layers
 
 
 class LosslessCache(RiverCache):
@@ -63,11 +64,22 @@ def lossless_decoding(model, input_ids, logits_processor, stopping_criteria, gen
     record = DraftRecord(num_layers=cache.num_layers)
     cache.drafts = record
     control = DraftControl(lossless_settings.num_draft_tokens, lossless_settings.draft_fallback, record,
-                           draft_clock or time.perf_counter)
+                           draft_clock or time.perf_counter, fallback_memory(model, lossless_settings))
     decoder = _Decoder(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
                        lossless_streamer, control)
     decoder.run()
+    control.call_done()
     return decoder.output()
+
+
+def fallback_memory(model, settings) -> FallbackMemory:
+    """The fallback verdicts of this river's earlier calls with the same river settings (kept on its first
+    RiverLayer, like the ExitGain: a rebuilt river starts afresh)."""
+    first = river_layers(model)[0]
+    memories = getattr(first, "lossless_fallbacks", None)
+    if memories is None:
+        first.lossless_fallbacks = memories = {}
+    return memories.setdefault(settings, FallbackMemory())
 
 
 def _check_call(input_ids, generation_config, cache, model_kwargs) -> None:

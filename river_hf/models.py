@@ -121,7 +121,10 @@ def _load_gguf(path: str, gguf_file: str, dtype):
         loaded.config.quantization_config = None
         if hasattr(loaded, "hf_quantizer"):
             loaded.hf_quantizer = None
-        gguf_cache.store(folder, loaded, tokenizer)
+        if gguf_cache.store(folder, loaded, tokenizer):
+            # Named as the next start will name it (loaded from the cache), so what is keyed by the model's name
+            # (the command line's kept twins, river_hf.twin_cache) is found again on that start.
+            loaded.config._name_or_path = loaded.name_or_path = folder
     return loaded, tokenizer
 
 

@@ -52,6 +52,8 @@ def test_second_load_reads_the_cache_not_the_gguf(cache_dir, fake_gguf):
     assert cached_tokenizer.chat_template == tokenizer.chat_template
     folder = gguf_cache.cached_folder(str(path), torch.float32)
     assert folder.startswith(str(cache_dir)) and gguf_cache.is_complete(folder)
+    # the converting start names the model as later starts do: what is keyed by that name (kept twins) is found
+    assert first.name_or_path == first.config._name_or_path == second.name_or_path == folder
 
 
 def test_the_key_follows_the_file_and_the_dtype(cache_dir, fake_gguf):

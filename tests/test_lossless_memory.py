@@ -1,0 +1,82 @@
+"""The lossless fallback remembers its verdicts across calls (river_hf.draft_control.FallbackMemory): after a call
+that fell back, the next 1, 2, 4, ... calls with the same settings decode on the plain backbone from their first step
+(no probing), then one probes again; output stays the backbone's throughout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from river_hf import RiverConfig
+from river_hf.draft_control import MAX_SKIPPED_CALLS, FallbackMemory, DraftRecord
+
+from conftest import count_calls, generate, river_of, tiny_model
+
+NEW = 24
+
+
+@pytest.fixture
+def prompt():
+    torch.manual_seed(1)
+    return torch.randint(3, 256, (1, 9))
+
+
+def timed_call(model, ids, clock, k=4, fallback=True):
+    config = RiverConfig(tau=-1.0, exit_signal="cosine", lossless=True, num_draft_tokens=k, draft_fallback=fallback,
+                         max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+    return model.generate(ids, generation_config=config, draft_clock=clock)
+
+
+def slow_drafts(model):
+    """A clock where every forward pass costs one unit: drafting never pays (the fallback engages)."""
+    passes = count_calls(model)
+    return lambda: passes[0]
+
+
+def test_after_a_fallback_the_next_calls_skip_drafting_then_probe_again(prompt):
+    backbone = tiny_model("llama")
+    reference = generate(backbone, prompt, max_new_tokens=NEW).sequences
+    model = river_of(backbone)
+    clock = slow_drafts(model)
+    remembered = []
+    for _ in range(7):
+        out = timed_call(model, prompt, clock)
+        record = out.cache.drafts
+        assert torch.equal(out.sequences, reference)
+        remembered.append(record.fallback_remembered)
+        if record.fallback_remembered:
+            assert record.rounds == [] and record.fell_back_at == 0 and record.tokens_per_backbone_pass == 1.0
+        else:
+            assert record.fell_back_at is not None and record.rounds  # it probed, drafted, and fell back
+    assert remembered == [False, True, False, True, True, False, True]  # skips 1, then 2, then 4 calls
+
+
+def test_a_call_whose_drafting_pays_is_never_skipped(prompt):
+    model = river_of(tiny_model("llama"))
+    backbone_passes = count_calls(model.model.layers[-1].base_layer)  # drafts that exit early cost nothing
+    for _ in range(3):
+        record = timed_call(model, prompt, lambda: backbone_passes[0]).cache.drafts
+        assert not record.fallback_remembered and record.fell_back_at is None
+
+
+def test_the_memory_is_per_setting_and_only_with_the_fallback(prompt):
+    model = river_of(tiny_model("llama"))
+    clock = slow_drafts(model)
+    assert timed_call(model, prompt, clock, k=4).cache.drafts.fell_back_at is not None
+    assert not timed_call(model, prompt, clock, k=2).cache.drafts.fallback_remembered  # another setting probes
+    record = timed_call(model, prompt, clock, k=4, fallback=False).cache.drafts
+    assert not record.fallback_remembered and record.fell_back_at is None  # no fallback asked: it drafts throughout
+    assert timed_call(model, prompt, clock, k=4).cache.drafts.fallback_remembered
+
+
+def test_skips_grow_to_a_bound_and_reset_when_drafting_pays():
+    memory, fell_back, paid = FallbackMemory(), DraftRecord(num_layers=4, fell_back_at=3), DraftRecord(num_layers=4)
+    skipped = []
+    for _ in range(8):
+        memory.call_done(fell_back)
+        skipped.append(memory.calls_to_skip)
+        while memory.skips_next_call():
+            pass
+    assert skipped == [1, 2, 4, 8, 16, 16, 16, 16] and MAX_SKIPPED_CALLS == 16
+    memory.call_done(paid)
+    assert not memory.skips_next_call() and memory.fallbacks_in_a_row == 0
