@@ -305,7 +305,7 @@ def test_peft_add_adapter_after_build_is_refused_by_peft_and_the_river_keeps_wor
     model = peft_model_of()
     river_of(model)
     before = generate(model, prompt_ids, tau=-1).sequences
-    with pytest.raises(ValueError, match="RiverQuantLinear"):  # peft would adapt the twins' quantized linears
+    with pytest.raises(ValueError, match="Target module LoraOnQuantized"):  # peft would adapt the twins' linears
         model.add_adapter("late", lora_config(["q_proj"]))
     assert torch.equal(generate(model, prompt_ids, tau=-1).sequences, before)
 
