@@ -23,12 +23,26 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 import river_hf
-from river_hf import ExitSignal, RiverConfig, RiverQuantConfig, RiverSettings, register_signal
+from river_hf import ExitSignal, RiverConfig, RiverQuantConfig, RiverSettings, quantize, register_signal
 from river_hf.router import ExitRouter
 
 # Converted GGUFs (river_hf.gguf_cache) go to a folder of this test session, not the user's cache; subprocesses (the
 # CLI tests) inherit it, so the packaged model is converted once per session.
 os.environ.setdefault("RIVER_HF_CACHE", tempfile.mkdtemp(prefix="river_hf_test_cache_"))
+
+@pytest.fixture
+def hqq_calls(monkeypatch):
+    """Counts HQQ quantizations (one per twin linear built from scratch): [count]."""
+    calls = [0]
+    real = quantize._hqq_quantize
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quantize, "_hqq_quantize", counting)
+    return calls
+
 
 # ---------------------------------------------------------------- tiny models
 

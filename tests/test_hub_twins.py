@@ -13,7 +13,7 @@ from huggingface_hub.errors import RemoteEntryNotFoundError
 from transformers import AutoModelForCausalLM
 
 import river_hf
-from river_hf import RiverQuantConfig, hf_integration, quantize
+from river_hf import RiverQuantConfig, hf_integration
 from river_hf.twin_store import TWINS_FILE, StoredTwinsError
 
 from conftest import tiny_model
@@ -53,39 +53,27 @@ def not_on_the_hub() -> RemoteEntryNotFoundError:
     return error
 
 
-def hqq_calls(monkeypatch):
-    calls = [0]
-    real = quantize._hqq_quantize
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(quantize, "_hqq_quantize", counting)
-    return calls
-
-
-def test_the_twins_of_the_snapshot_revision_are_fetched_and_used(snapshot, monkeypatch, tmp_path):
+def test_the_twins_of_the_snapshot_revision_are_fetched_and_used(snapshot, monkeypatch, tmp_path, hqq_calls):
     folder, remote = snapshot
-    calls, hqq = [], hqq_calls(monkeypatch)
+    calls, hqq = [], hqq_calls
     fake_download(monkeypatch, calls, remote)
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert river_hf.is_river(model) and hqq[0] == 0
     assert calls == [("someone/my-river", TWINS_FILE, REVISION, str(tmp_path / "hub"))]
 
 
-def test_a_repo_without_twins_quantizes_quietly(snapshot, monkeypatch, recwarn):
+def test_a_repo_without_twins_quantizes_quietly(snapshot, monkeypatch, recwarn, hqq_calls):
     folder, _ = snapshot
-    calls, hqq = [], hqq_calls(monkeypatch)
+    calls, hqq = [], hqq_calls
     fake_download(monkeypatch, calls, not_on_the_hub())
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert river_hf.is_river(model) and hqq[0] > 0 and len(calls) == 1
     assert not [w for w in recwarn if "could not fetch" in str(w.message)]
 
 
-def test_a_failed_fetch_warns_and_quantizes(snapshot, monkeypatch):
+def test_a_failed_fetch_warns_and_quantizes(snapshot, monkeypatch, hqq_calls):
     folder, _ = snapshot
-    calls, hqq = [], hqq_calls(monkeypatch)
+    calls, hqq = [], hqq_calls
     fake_download(monkeypatch, calls, OSError("offline"))
     with pytest.warns(UserWarning, match="could not fetch river_twins.safetensors of someone/my-river"):
         model = AutoModelForCausalLM.from_pretrained(folder)

@@ -28,20 +28,6 @@ BASE = dict(backend="auto", nbits=4, group_size=64, start_layer=START, quantize_
 MIXED_SCHEDULE = dict(nbits=[8, 4, 3, 4], start_layer=START, quantize_lm_head=True, lm_head_nbits=8)
 
 
-@pytest.fixture
-def hqq_calls(monkeypatch):
-    """Counts HQQ quantizations (one per twin linear built from scratch): [count]."""
-    calls = [0]
-    real = quantize._hqq_quantize
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(quantize, "_hqq_quantize", counting)
-    return calls
-
-
 def without_hqq(load, *args, **kwargs):
     """`load(*args, **kwargs)` with HQQ made to fail: nothing may be quantized from scratch."""
     with pytest.MonkeyPatch.context() as patch:
