@@ -7,6 +7,8 @@ import io
 import json
 import statistics
 import sys
+from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -210,26 +212,45 @@ def test_strategy_bench_reports_every_strategy_at_two_taus(strategy_run):
     assert systems["river tau=-1"]["summary"]["mean_exit_depth"] == 1
     assert systems["mask tau=-1"]["summary"]["mean_exit_depth"] == NUM_LAYERS // 2
     assert "| strategy | tau | mean exit depth" in out and "| recompute | -1 |" in out
-    path = output.with_name(output.stem + "-strategies.png")
-    assert path.read_bytes().startswith(PNG_SIGNATURE) and str(path) in out
+    path = output.with_name(output.stem + "-strategies.svg")
+    assert "skipped layers" in svg_text(path) and str(path) in out
 
 
-def test_plots_are_png_files(bench_run):
+def svg_text(path: Path) -> str:
+    """The text of an SVG figure's labels, after checking it is a drawn SVG of a readable size."""
+    root = ElementTree.parse(path).getroot()
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    assert float(root.get("width").removesuffix("pt")) > 100 and float(root.get("height").removesuffix("pt")) > 100
+    assert len(root.findall(".//{http://www.w3.org/2000/svg}path")) > 10
+    return " ".join("".join(node.itertext()) for node in root.iter("{http://www.w3.org/2000/svg}text"))
+
+
+def test_plots_are_svg_figures_with_their_labels(bench_run):
     _, out, output = bench_run
-    for suffix in ("-pareto.png", "-exit-depths.png"):
+    for suffix, label in (("-pareto.svg", "decode speed / backbone"), ("-exit-depths.svg", "exit depth")):
         path = output.with_name(output.stem + suffix)
-        data = path.read_bytes()
-        assert data.startswith(PNG_SIGNATURE) and data[12:16] == b"IHDR"
-        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-        assert width > 100 and height > 100
-        assert str(path) in out
+        assert label in svg_text(path) and str(path) in out
+
+
+def test_a_figure_is_the_same_bytes_each_time(bench_run, tmp_path):
+    """No date, fixed ids: regenerating docs/ figures from the same record changes nothing in git."""
+    from river_hf.bench.plots import pareto_figure, save
+
+    record, _, _ = bench_run
+    first, second = tmp_path / "a.svg", tmp_path / "b.svg"
+    save(pareto_figure(record), first)
+    save(pareto_figure(record), second)
+    assert first.read_bytes() == second.read_bytes()
 
 
 def test_plot_overlays_several_records(bench_run, tmp_path, capsys):
     _, _, output = bench_run
-    png = tmp_path / "precisions.png"
+    png = tmp_path / "precisions.png"  # a .png path still gets a PNG
     assert main(["plot", str(output), str(output), "--output", str(png)]) == 0
     assert png.read_bytes().startswith(PNG_SIGNATURE) and str(png) in capsys.readouterr().out
+    svg = tmp_path / "precisions.svg"
+    assert main(["plot", str(output), str(output), "--output", str(svg)]) == 0
+    assert "per twin precision" in svg_text(svg)
 
 
 def test_plot_of_a_missing_record_is_a_usage_error(tmp_path, capsys):

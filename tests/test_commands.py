@@ -134,8 +134,8 @@ def test_bench_eval_and_plot_write_inside_an_output_folder(tiny_dir, questions, 
     assert set(json.loads(report.read_text())["systems"]) == {"backbone", "full-quant (tau=-1)",
                                                               "river confidence tau=1.5"}
     assert main(["plot", str(record), "--output", str(out)]) == 0
-    [png] = out.glob("plot-*.png")
-    assert str(png) in capsys.readouterr().out
+    [figure] = out.glob("plot-*.svg")
+    assert str(figure) in capsys.readouterr().out
 
 
 # ---- the pieces -------------------------------------------------------------------------------------------------

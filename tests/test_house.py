@@ -1,10 +1,14 @@
 """The layout's own rules (CONTRIBUTING.md): no import circle between river_hf's modules, no file over ~400 lines,
-argparse only in the command-line modules."""
+argparse only in the command-line modules, no binary file in git."""
 
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "river_hf"
 MAX_LINES = 400
@@ -86,3 +90,22 @@ def test_no_file_over_the_line_limit():
 def test_argparse_stays_in_the_command_line_modules():
     users = {module_name(path) for path in PACKAGE.rglob("*.py") if "argparse" in path.read_text()}
     assert users <= {"river_hf.cli"} | {name for name in users if name.startswith("river_hf.commands")}, users
+
+
+def is_binary(path: Path) -> bool:
+    """git's own test: a NUL byte in the first 8000 bytes."""
+    with path.open("rb") as file:
+        return b"\0" in file.read(8000)
+
+
+def test_no_binary_file_in_git(tmp_path):
+    root = PACKAGE.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+    paths = [root / name for name in tracked.decode().split("\0") if name and (root / name).is_file()]
+    assert paths, "git ls-files listed nothing"
+    binaries = [str(path.relative_to(root)) for path in paths if is_binary(path)]
+    assert not binaries, f"binary files in git (figures are SVG; models and data are built or fetched): {binaries}"
+    (tmp_path / "figure.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    assert is_binary(tmp_path / "figure.png") and not is_binary(root / "README.md")

@@ -1,13 +1,17 @@
-"""PNG figures of a bench record: the speed/fidelity Pareto front and the exit-depth histogram per tau.
+"""Figures of a bench record: the speed/fidelity Pareto front and the exit-depth histogram per tau.
 
-Matplotlib's object API with the Agg canvas: no pyplot, so nothing global (a user's backend, open figures) changes.
+SVG by default: text, so the figures kept in docs/ are reviewable diffs and no binary enters git; a path ending in
+.png gets a PNG. Matplotlib's object API with explicit canvases: no pyplot, so nothing global (a user's backend, open
+figures) changes.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from matplotlib import rc_context
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.backends.backend_svg import FigureCanvasSVG
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, PercentFormatter
 
@@ -23,22 +27,31 @@ STRATEGY_COLORS = {"river": "tab:blue", "recompute": "tab:orange", "state_propag
                    "mask": "tab:red", "mono_decreasing": "tab:purple"}
 
 
+FIGURE_SUFFIX = ".svg"
+# Fixed ids, no date and text kept as text: the same record always gives the same bytes (small, diffable files).
+SVG_SETTINGS = {"svg.hashsalt": "river_hf", "svg.fonttype": "none"}
+
+
 def write_plots(record: dict, json_path: str | Path) -> list[Path]:
-    """The figures next to the JSON record: <name>-pareto.png (or <name>-strategies.png for a KV-strategy run) and
-    <name>-exit-depths.png."""
+    """The figures next to the JSON record: <name>-pareto.svg (or <name>-strategies.svg for a KV-strategy run) and
+    <name>-exit-depths.svg."""
     stem = Path(json_path).with_suffix("")
     is_strategy_run = any(system["kind"] == "strategy" for system in record["systems"])
-    first = (Path(f"{stem}-strategies.png"), strategy_figure) if is_strategy_run else (Path(f"{stem}-pareto.png"),
-                                                                                        pareto_figure)
-    paths = [first[0], Path(f"{stem}-exit-depths.png")]
+    first = ("strategies", strategy_figure) if is_strategy_run else ("pareto", pareto_figure)
+    paths = [Path(f"{stem}-{first[0]}{FIGURE_SUFFIX}"), Path(f"{stem}-exit-depths{FIGURE_SUFFIX}")]
     save(first[1](record), paths[0])
     save(exit_depth_figure(record), paths[1])
     return paths
 
 
 def save(figure: Figure, path: Path) -> None:
+    """SVG unless the path ends in .png."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(figure).print_png(str(path))
+    if path.suffix.lower() == ".png":
+        FigureCanvasAgg(figure).print_png(str(path))
+        return
+    with rc_context(SVG_SETTINGS):
+        FigureCanvasSVG(figure).print_svg(str(path), metadata={"Date": None})
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -63,7 +63,7 @@ def _add_random_model_args(parser: argparse.ArgumentParser) -> None:
                             "process. Two rivers are built one after the other, and HQQ quantization takes a while: "
                             "seconds for the 135M shape, minutes for the 1B and 3B shapes on 2 CPU cores (a progress "
                             "bar shows it). --nbits and --quantize-lm-head are fixed by this mode; the plot "
-                            "is <record>-scaling.png (combine records with `river-hf plot --scaling`).")
+                            "is <record>-scaling.svg (combine records with `river-hf plot --scaling`).")
     group.add_argument("--prompt-length", type=common.positive_int, default=PROMPT_LENGTH, metavar="T",
                        help="Random token ids per prompt with --random-model (default: %(default)s).")
     group.add_argument("--twin-bits", type=int, nargs="+", choices=(4, 8), default=[8, 4], metavar="BITS",
@@ -190,9 +190,9 @@ def _run_random_model(args: argparse.Namespace, quant_config, settings, output) 
     print(report.markdown_table(record))
     print(f"\nrecord: {output}")
     if not args.no_plots:
-        from ..bench.plots import save, scaling_figure
+        from ..bench.plots import FIGURE_SUFFIX, save, scaling_figure
 
-        path = output.with_name(output.stem + "-scaling.png")
+        path = output.with_name(output.stem + "-scaling" + FIGURE_SUFFIX)
         save(scaling_figure([record]), path)
         print(f"plot: {path}")
     return 0

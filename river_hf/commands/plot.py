@@ -19,16 +19,17 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--scaling", action="store_true",
                         help="Records of `river-hf bench --random-model`: speed ratio vs parameters (log x), one line "
                              "per system and panel per CPU capability, each system's byte limit dashed.")
-    parser.add_argument("--output", required=True, metavar="PNG",
-                        help="The PNG file, or a folder to write plot-<timestamp>.png in.")
+    parser.add_argument("--output", required=True, metavar="FIGURE",
+                        help="The figure file (SVG; PNG if it ends in .png), or a folder to write "
+                             "plot-<timestamp>.svg in.")
     parser.set_defaults(run=run, subparser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.plots import precisions_figure, save, scaling_figure
+    from ..bench.plots import FIGURE_SUFFIX, precisions_figure, save, scaling_figure
     from ..bench.records import default_name
 
-    output = common.output_path(args, default_name("plot", ".png"))
+    output = common.output_path(args, default_name("plot", FIGURE_SUFFIX))
     records = []
     for path in args.records:
         try:
