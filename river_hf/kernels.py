@@ -73,7 +73,10 @@ def _int4_scales_and_zeros(scale, zero, nbits: int, in_features: int, kernel_gro
 def _pack_int4(convert, codes, scale, zero, group_size, nbits):
     """`convert`: centered int32 codes [N, K] -> the kernel's packed weight."""
     kernel_group = int4_kernel_group(codes.shape[1], group_size)
-    centered = codes.to(torch.int32) + _int4_shift(nbits)  # [N, K] in 0..15
+    # Codes 0..15 read as int8 widen to int32 ~3x faster than uint8 do on CPU (a saved river's load packs hundreds)
+    centered = (codes.view(torch.int8) if codes.dtype == torch.uint8 else codes).to(torch.int32, copy=True)
+    if _int4_shift(nbits):
+        centered += _int4_shift(nbits)  # [N, K] in 0..15
     return {"qweight": convert(centered.contiguous()),
             "scales_and_zeros": _int4_scales_and_zeros(scale, zero, nbits, codes.shape[1], kernel_group)}
 

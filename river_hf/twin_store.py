@@ -202,6 +202,14 @@ class StoredTwins:
         path = str(path)
         if os.path.isdir(path):
             path = os.path.join(path, TWINS_FILE)
+        # from_pretrained reads the twins inside transformers' meta-device context (a torch function mode): every
+        # small torch op of the 600+ digests would go through it, ~0.1 s of a SmolLM2 load. Nothing here is a tensor
+        # subclass or should land on the meta device, so the mode is set aside while reading.
+        with torch._C.DisableTorchFunction():
+            return cls._read(path)
+
+    @classmethod
+    def _read(cls, path: str) -> "StoredTwins":
         try:
             with safe_open(path, framework="pt") as handle:
                 metadata = handle.metadata() or {}
