@@ -180,6 +180,17 @@ class AdapterLoadingMixin:
             return super().add_adapter(*args, **kwargs)
 
 
+class AdapterSavingMixin:
+    """Part of a river PeftModel's class (build_river on a PeftModel): peft names an adapter's tensors by the module
+    names it finds, which inside a river are the RiverLayers' (`layers.3.base_layer.self_attn...`), and a plain model
+    would not load them. Saving runs on the plain backbone layers, so the adapter file is the one the plain
+    PeftModel writes."""
+
+    def save_pretrained(self, *args, **kwargs):
+        with backbone_layers(self.get_base_model()):
+            return super().save_pretrained(*args, **kwargs)
+
+
 @contextmanager
 def backbone_layers(model: nn.Module):
     """Inside the block the model's decoder layers are the plain backbone layers again (the RiverLayers return

@@ -15,7 +15,7 @@ from .adapters import river_host
 from .architectures import UnsupportedModelError, find_decoder_layers, output_embedding
 from .config import RiverQuantConfig
 from .generation import RiverGenerationMixin
-from .layers import AdapterLoadingMixin, RiverLayer, make_twin
+from .layers import AdapterLoadingMixin, AdapterSavingMixin, RiverLayer, make_twin
 from .lm_head import RiverLMHead, install_lm_head, remove_lm_head
 from .offload import reload_backbone
 from .passes import hook_passes
@@ -41,6 +41,7 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
     """
     if (host := river_host(model)) is not model:
         build_river(host, quant_config, progress, stored_twins)
+        model.__class__ = _river_class(type(model), (AdapterSavingMixin,))  # peft saves with the backbone's names
         return model
     quant_config = quant_config if quant_config is not None else RiverQuantConfig()
     if not isinstance(quant_config, RiverQuantConfig):
@@ -101,6 +102,7 @@ def remove_river(model: nn.Module) -> nn.Module:
     Returns the same model."""
     if (host := river_host(model)) is not model:
         remove_river(host)
+        model.__class__ = getattr(model.__class__, "_river_base_class", model.__class__)
         return model
     if not is_river(model):
         raise ValueError("This model has no river to remove (river_hf.build_river was not applied to it).")
@@ -120,9 +122,10 @@ def is_river(model: nn.Module) -> bool:
     return isinstance(river_host(model), RiverGenerationMixin)
 
 
-def _river_class(base: type) -> type:
-    """The river subclass of `base`, made once per class. It keeps the name, so pipelines recognise the model."""
+def _river_class(base: type, mixins: tuple[type, ...] = (RiverGenerationMixin, AdapterLoadingMixin)) -> type:
+    """The river subclass of `base` (a transformers model's class, or a PeftModel's with AdapterSavingMixin), made
+    once per class. It keeps the name, so pipelines (and peft) recognise the model."""
     if base not in _RIVER_CLASSES:
         attrs = {"__module__": base.__module__, "__qualname__": base.__qualname__, "_river_base_class": base}
-        _RIVER_CLASSES[base] = type(base.__name__, (RiverGenerationMixin, AdapterLoadingMixin, base), attrs)
+        _RIVER_CLASSES[base] = type(base.__name__, (*mixins, base), attrs)
     return _RIVER_CLASSES[base]
