@@ -54,7 +54,7 @@ def river_host(model: nn.Module) -> nn.Module:
 # ---------------------------------------------------------------- what a twin uses for an adapted linear
 
 
-def twin_replacements(layer: nn.Module, is_skipped) -> dict[str, nn.Module]:
+def twin_replacements(layer: nn.Module, is_skipped, lora_twins: str = "full_precision") -> dict[str, nn.Module]:
     """For each tuner layer in decoder layer `layer`: the module its twin holds at that name.
 
     A skipped one (`is_skipped(name)`, from `skip_modules`) is the backbone's own adapter layer, shared (full
@@ -66,13 +66,14 @@ def twin_replacements(layer: nn.Module, is_skipped) -> dict[str, nn.Module]:
     for name, adapted in layers:
         if not is_skipped(name):
             _check_linear(name, adapted)
-    return {name: adapted if is_skipped(name) else twin_of_adapted(adapted) for name, adapted in layers}
+    return {name: adapted if is_skipped(name) else twin_of_adapted(adapted, lora_twins) for name, adapted in layers}
 
 
-def twin_of_adapted(adapted: nn.Module) -> nn.Module:
-    """What a twin holds for the tuner layer `adapted` (on an nn.Linear): a `LoraOnQuantized` around its base linear
-    for a plain LoRA, else one nn.Linear of what it computes now (peft's merge on a copy: DoRA, IA3, LoHa, ...)."""
-    adapters = plain_lora_adapters(adapted)
+def twin_of_adapted(adapted: nn.Module, lora_twins: str = "full_precision") -> nn.Module:
+    """What a twin holds for the tuner layer `adapted` (on an nn.Linear): with `lora_twins="full_precision"` a
+    `LoraOnQuantized` around its base linear for a plain LoRA; else (`"merged"`, or DoRA, IA3, LoHa, ...) one
+    nn.Linear of what it computes now (peft's merge on a copy)."""
+    adapters = plain_lora_adapters(adapted) if lora_twins == "full_precision" else None
     if adapters is None:
         return merged_linear(adapted)
     return LoraOnQuantized(adapted.get_base_layer(), adapters,

@@ -91,11 +91,13 @@ def _clock(tensor: torch.Tensor) -> float:
     return time.perf_counter()
 
 
-def make_twin(layer: nn.Module, quantize_linear, skip_modules: list[str]) -> nn.Module:
+def make_twin(layer: nn.Module, quantize_linear, skip_modules: list[str], lora_twins: str = "full_precision"
+              ) -> nn.Module:
     """A copy of `layer` whose nn.Linear modules are quantized; every other parameter is shared, not copied.
 
     `quantize_linear(linear) -> nn.Module` makes one quantized linear layer. A LoRA-adapted linear becomes its
-    quantized base weight with the active LoRA in full precision on top (`adapters.LoraOnQuantized`); other peft
+    quantized base weight with the active LoRA in full precision on top (`adapters.LoraOnQuantized`; with
+    `lora_twins="merged"`, one quantized linear of W + s·B·A); other peft
     adapter layers (DoRA, IA3, ...) one quantized linear of their merged weight; a skipped one is shared as it is
     (river_hf.adapters).
     """
@@ -103,7 +105,7 @@ def make_twin(layer: nn.Module, quantize_linear, skip_modules: list[str]) -> nn.
         return _is_skipped(name, skip_modules)
 
     _refuse_packed_weights(layer, is_skipped)
-    adapted = twin_replacements(layer, is_skipped)  # first: a bad adapter raises before any work is done
+    adapted = twin_replacements(layer, is_skipped, lora_twins)  # first: a bad adapter raises before any work is done
     # deepcopy with a memo of the layer's own tensors: the copy refers to the same Parameter/buffer objects,
     # so norms stay shared and no full-precision weight is duplicated before quantization replaces it.
     memo = {id(tensor): tensor for tensor in (*layer.parameters(), *layer.buffers())}

@@ -77,7 +77,7 @@ def _twin(layer: nn.Module, idx: int, quant_config: RiverQuantConfig) -> nn.Modu
         twin_linear.source_fingerprint = fingerprint(linear)  # what a saved river checks its twins against
         return twin_linear
 
-    return make_twin(layer, quantize, quant_config.skip_modules)
+    return make_twin(layer, quantize, quant_config.skip_modules, quant_config.lora_twins)
 
 
 def _quantized_lm_head(model: nn.Module, quant_config: RiverQuantConfig, stored=None) -> RiverLMHead:

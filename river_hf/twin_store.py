@@ -274,7 +274,8 @@ class StoredTwins:
                             f"asked)")
         _check_asked(stored, quant_config.nbits_for(idx), quant_config.group_size_for(idx), "nbits")
         sources: list[nn.Linear] = []  # the linears make_twin would quantize, as it hands them over
-        twin = make_twin(layer, lambda linear: sources.append(linear) or linear, quant_config.skip_modules)
+        twin = make_twin(layer, lambda linear: sources.append(linear) or linear, quant_config.skip_modules,
+                         quant_config.lora_twins)
         paths = {id(module): name for name, module in twin.named_modules()}
         # stored name -> (where the linear sits in the twin, the linear); an adapted linear's W is stored under the
         # adapted linear's name, its LoRA comes from the live adapter (river_hf.adapters.LoraOnQuantized)

@@ -132,6 +132,21 @@ def test_tau_minus_one_equals_quantized_w_plus_the_full_precision_lora(adapted, 
         assert not torch.allclose(reference(prompt_ids).logits, merged(prompt_ids).logits)
 
 
+def test_merged_lora_twins_are_one_quantized_linear_of_peft_merge(adapted, prompt_ids):
+    reference = merged_full_quantization(adapted)
+    river_of(adapted, lora_twins="merged")
+    assert_tau_minus_one_equals(adapted, reference, prompt_ids)
+    twin = river_hf.river_layers(adapted)[START].twin
+    assert not [module for module in twin.modules() if isinstance(module, LoraOnQuantized)]
+    assert isinstance(twin.self_attn.q_proj, RiverQuantLinear)
+
+
+def test_lora_twins_takes_only_its_two_choices():
+    with pytest.raises(ValueError, match=r"`lora_twins`='fast' is not supported.*full_precision.*merged"):
+        RiverQuantConfig(lora_twins="fast")
+    assert RiverQuantConfig(lora_twins="merged").to_dict()["lora_twins"] == "merged"
+
+
 def test_lora_twins_are_quantized_w_with_a_copy_of_the_lora(adapted):
     river_of(adapted)
     layer = river_hf.river_layers(adapted)[START]

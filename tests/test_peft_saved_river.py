@@ -1,7 +1,7 @@
 """Saved rivers of LoRA-adapted models (river_hf.twin_store with river_hf.adapters): a LoRA-adapted linear's twin
 stores the codes of its base weight W alone, under the linear's own name, so the twins file of the base model's river
 and of any LoRA river on it are the same file; the LoRA on top comes from the live adapter when the river is built.
-Merged twins (DoRA) store the merged weight, which fits only the same adapter."""
+Merged twins (DoRA, or `lora_twins="merged"`) store the merged weight, which fits only the same adapter."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ CONFIG = dict(backend="auto", nbits=4, group_size=64, start_layer=START, quantiz
 PLAN = [2, 4, 6, 3, 5, 2, 6, 4]
 
 
-def build(model, stored_twins=None):
-    return river_hf.build_river(model, RiverQuantConfig(**CONFIG), progress=False, stored_twins=stored_twins)
+def build(model, stored_twins=None, **config):
+    return river_hf.build_river(model, RiverQuantConfig(**{**CONFIG, **config}), progress=False,
+                                stored_twins=stored_twins)
 
 
 def without_hqq(build_it):
@@ -94,6 +95,19 @@ def test_merged_twins_fit_only_their_own_adapter(tmp_path, prompt_ids):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TwinsMismatchWarning)
         build(model, stored_twins=tmp_path)
+    messages = [str(w.message) for w in caught if issubclass(w.category, TwinsMismatchWarning)]
+    assert len(messages) == 1 and "backbone weights differ" in messages[0]
+    assert torch.equal(generate(model, prompt_ids, tau=-1).sequences, generate(scratch, prompt_ids, tau=-1).sequences)
+
+
+def test_merged_lora_twins_saved_are_rebuilt_for_full_precision_lora_twins(tmp_path, prompt_ids):
+    merged = build(peft_model_of(), lora_twins="merged")
+    save_twins(merged, tmp_path)
+    without_hqq(lambda: build(peft_model_of(), stored_twins=tmp_path, lora_twins="merged"))  # same: from the file
+    model, scratch = peft_model_of(), build(peft_model_of())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TwinsMismatchWarning)
+        build(model, stored_twins=tmp_path)  # full-precision LoRA twins need W's codes, not the merge's
     messages = [str(w.message) for w in caught if issubclass(w.category, TwinsMismatchWarning)]
     assert len(messages) == 1 and "backbone weights differ" in messages[0]
     assert torch.equal(generate(model, prompt_ids, tau=-1).sequences, generate(scratch, prompt_ids, tau=-1).sequences)
