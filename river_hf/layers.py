@@ -97,9 +97,8 @@ def make_twin(layer: nn.Module, quantize_linear, skip_modules: list[str], lora_t
 
     `quantize_linear(linear) -> nn.Module` makes one quantized linear layer. A LoRA-adapted linear becomes its
     quantized base weight with the active LoRA in full precision on top (`adapters.LoraOnQuantized`; with
-    `lora_twins="merged"`, one quantized linear of W + s·B·A); other peft
-    adapter layers (DoRA, IA3, ...) one quantized linear of their merged weight; a skipped one is shared as it is
-    (river_hf.adapters).
+    `lora_twins="merged"`, one quantized linear of W + s·B·A); other peft adapter layers (DoRA, IA3, ...) one
+    quantized linear of their merged weight; a skipped one is shared as it is (river_hf.adapters).
     """
     def is_skipped(name: str) -> bool:
         return _is_skipped(name, skip_modules)
