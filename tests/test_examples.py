@@ -55,3 +55,21 @@ def test_start_time_example_loads_both_ways(capsys):
     assert set(table) == {"from the GGUF", "from the cache"}
     assert all(row["load_s"] > 0 for row in table.values())
     assert "| from the cache |" in capsys.readouterr().out
+
+
+def test_load_phases_example_times_the_phases_and_puts_everything_back(saved_tiny_model, tmp_path, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from river_hf import RiverQuantConfig, kernels, twin_store
+
+    river = AutoModelForCausalLM.from_pretrained(saved_tiny_model, dtype=torch.bfloat16,
+                                                 quantization_config=RiverQuantConfig(backend="auto"))
+    river.save_pretrained(tmp_path / "river")  # twins stored (loaded with a RiverQuantConfig)
+    before = (twin_store.digest, twin_store.StoredTwins.__dict__["read"], dict(kernels.KERNELS))
+    [load] = load_example("load_phases").main([str(tmp_path / "river"), "--loads", "1"])
+    assert {"read", "digest", "fingerprint", "from_codes", "make_twin"} <= load["phases"].keys()
+    assert any(label.startswith("pack ") for label in load["phases"])
+    assert 0 < load["phases"]["read"][0] < load["total_s"]
+    assert (twin_store.digest, twin_store.StoredTwins.__dict__["read"], dict(kernels.KERNELS)) == before
+    assert "load 1: " in capsys.readouterr().out

@@ -1,0 +1,95 @@
+"""Where a saved river's load spends its time: each phase timed with perf_counter wrappers inside from_pretrained.
+
+    python examples/load_time.py --folder DIR        # keeps DIR/plain, DIR/river-auto, DIR/river-fastest
+    python examples/load_phases.py DIR/river-auto [--loads 3]
+
+Loads the saved river `--loads` times in this one process (the first load is the one a user's fresh process pays;
+the later ones show the steady cost without first-touch effects) and prints, per load, the total and the time in
+each phase: reading and checking the twins file (`read`, of which `load_file` and the stored tensors' digests),
+fingerprinting the backbone weights, the twins' module copies (`make_twin`), unpacking the stored 4-bit codes,
+`from_codes` (of which each kernel's `pack`). Phases nest (`read` holds digests), so they do not add up. Time it on a
+quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import functools
+import os
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from river_hf import kernels, quantize, twin_store
+
+SPENT: collections.Counter = collections.Counter()
+CALLS: collections.Counter = collections.Counter()
+
+
+def timed(function, label: str):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            SPENT[label] += time.perf_counter() - started
+            CALLS[label] += 1
+    return wrapper
+
+
+@contextlib.contextmanager
+def phase_timers():
+    """Inside the block river_hf's load phases count into SPENT / CALLS; everything is put back after it."""
+    patched = [(twin_store, name, getattr(twin_store, name))
+               for name in ("fingerprint", "digest", "make_twin", "_unpack_codes", "load_file")]
+    patched += [(twin_store.StoredTwins, "read", twin_store.StoredTwins.__dict__["read"]),
+                (quantize.RiverQuantLinear, "from_codes", quantize.RiverQuantLinear.__dict__["from_codes"])]
+    kernels_before = dict(kernels.KERNELS)
+    try:
+        for owner, name, original in patched:
+            if isinstance(original, classmethod):
+                setattr(owner, name, classmethod(timed(original.__func__, name)))
+            else:
+                setattr(owner, name, timed(original, name))
+        for name, kernel in kernels_before.items():
+            kernels.KERNELS[name] = kernel._replace(pack=timed(kernel.pack, f"pack {name}"))
+        yield
+    finally:
+        for owner, name, original in patched:
+            setattr(owner, name, original)
+        kernels.KERNELS.update(kernels_before)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", help="a saved river (save_pretrained with its twins)")
+    parser.add_argument("--loads", type=int, default=3)
+    args = parser.parse_args(argv)
+    for name in os.listdir(args.folder):  # the page cache holds the files, as for the loads load_time.py compares
+        with open(os.path.join(args.folder, name), "rb") as file:
+            file.read()
+    print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}; threads {torch.get_num_threads()}")
+    loads = []
+    with phase_timers():
+        for index in range(args.loads):
+            loads.append(timed_load(args.folder, index))
+    return loads
+
+
+def timed_load(folder: str, index: int) -> dict:
+    SPENT.clear(), CALLS.clear()
+    started = time.perf_counter()
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    total = time.perf_counter() - started
+    phases = {label: (SPENT[label], CALLS[label]) for label, _ in SPENT.most_common()}
+    print(f"load {index + 1}: {total:.3f} s; " + ", ".join(
+        f"{label} {seconds * 1e3:.0f} ms / {calls}" for label, (seconds, calls) in phases.items()))
+    return {"total_s": total, "phases": phases}
+
+
+if __name__ == "__main__":
+    main()
