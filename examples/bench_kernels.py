@@ -12,6 +12,8 @@ HQQ quantization is slow on CPU (~15 s for 2048x8192), so each configuration qua
 the kernels' speed does not depend on the values.
 With optimum-quanto installed (`pip install optimum-quanto`), its weight-only qint4 / qint8 linears (group 64 /
 per row, bf16 activations) run too: the candidate twin backend issue 11 asked about.
+`w8a8_cpu` (fbgemm's dynamic int8 linear) is the one layer here that also rounds its activations (to 7 bits per
+token): it is timed with its bf16 -> fp32 -> bf16 casts, as a twin runs it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ BASELINE = "bf16 nn.Linear"
 CONFIGS = [
     ("int4pack_cpu, 4-bit g64", dict(nbits=4, group_size=64, backend="int4pack_cpu"), False),
     ("int8pack_cpu, 8-bit per-row", dict(nbits=8, group_size=None, backend="int8pack_cpu"), False),
+    ("w8a8_cpu, 8-bit per-row, int8 activations",
+     dict(nbits=8, group_size=None, backend="w8a8_cpu", activations="int8"), False),
     ("hqq fallback, 4-bit g64", dict(nbits=4, group_size=64, backend="hqq"), True),
 ]
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .checks import check_choice, is_int
-from .quantize import BACKENDS, SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS, backend_nbits
+from .kernels import KERNELS
+from .quantize import ACTIVATIONS, BACKENDS, SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS, backend_nbits
 
 RIVER_QUANT_METHOD = "river"
 PER_ROW_NBITS = 8  # schedule entries and LM heads of this many bits are quantized per row (the int8 kernel's layout)
@@ -70,6 +71,14 @@ class RiverQuantConfig(QuantizationConfigMixin):
                   f"this machine, at that layer's shape, and takes the fastest (river_hf.kernel_choice); 'auto' takes "
                   f"the device's preferred kernel per width without measuring (CPU: int4pack_cpu for 2-4 bits, "
                   f"int8pack_cpu for 8; CUDA: tinygemm_cuda)."},
+    )
+    activations: str | None = field(
+        default=None,
+        metadata={"help": f"What the twins' kernels may do to activations, one of {ACTIVATIONS}. None (the default): "
+                  f"weight-only kernels, activations stay bf16/fp32. 'int8': 8-bit twins (and an 8-bit LM head) "
+                  f"may run on fbgemm's dynamic int8 linear ('w8a8_cpu', CPU), which rounds each token's "
+                  f"activations to 7 bits: 2-3.6x a bf16 GEMV on AVX2 CPUs, at a fidelity cost the bench shows "
+                  f"(docs/benchmarks.md). 'auto' then prefers it; 'fastest' times it with the others."},
     )
     lora_twins: str = field(
         default="full_precision",
@@ -127,6 +136,11 @@ class RiverQuantConfig(QuantizationConfigMixin):
         check_choice("group_size", self.group_size, SUPPORTED_GROUP_SIZES)
         check_choice("axis", self.axis, (1,))  # the kernels need groups along the input dimension
         check_choice("backend", self.backend, BACKENDS)
+        check_choice("activations", self.activations, ACTIVATIONS)
+        if KERNELS.get(self.backend) is not None and KERNELS[self.backend].quantizes_activations \
+                and self.activations != "int8":
+            raise ValueError(f"`backend`={self.backend!r} quantizes activations to int8 (a fidelity cost); say so "
+                             f"with activations='int8', or choose a weight-only backend.")
         check_choice("lora_twins", self.lora_twins, LORA_TWINS)
         check_choice("quant_method", self.quant_method, (RIVER_QUANT_METHOD,))
         if not is_int(self.start_layer) or self.start_layer < 1:

@@ -74,12 +74,13 @@ class KernelChoice:
 
 
 def fastest_backend(nbits: int, group_size: int | None, out_features: int, in_features: int,
-                    device: torch.device) -> KernelChoice:
-    """The fastest kernel on this machine for a [out_features, in_features] weight of `nbits` bits (measured once)."""
+                    device: torch.device, activations: str | None = None) -> KernelChoice:
+    """The fastest kernel on this machine for a [out_features, in_features] weight of `nbits` bits (measured once);
+    with activations="int8", kernels that quantize the activations are candidates too."""
     device = torch.device(device)
-    key = (out_features, in_features, nbits, group_size, device.type, torch.get_num_threads())
+    key = (out_features, in_features, nbits, group_size, device.type, torch.get_num_threads(), activations)
     if key not in _CHOICES:
-        names = candidates(nbits, group_size, out_features, in_features, device)
+        names = candidates(nbits, group_size, out_features, in_features, device, activations)
         choice = _remembered(key, names, device)
         if choice is None:
             choice = _measure(names, nbits, group_size, out_features, in_features, device)
@@ -116,9 +117,11 @@ def lookup(out_features: int, in_features: int, nbits: int, backend: str, device
 
 
 def candidates(nbits: int, group_size: int | None, out_features: int, in_features: int,
-               device: torch.device) -> list[str]:
-    """Every kernel that can run this layer here, except the slow 'hqq' reference."""
-    return [name for name in KERNELS if name != "hqq" and runs(name, nbits, device)
+               device: torch.device, activations: str | None = None) -> list[str]:
+    """Every kernel that can run this layer here, except the slow 'hqq' reference; kernels that quantize the
+    activations only with activations="int8"."""
+    return [name for name, kernel in KERNELS.items() if name != "hqq" and runs(name, nbits, device)
+            and (activations == "int8" or not kernel.quantizes_activations)
             and shape_problem(name, out_features, in_features, _kernel_group(name, group_size)) is None]
 
 
@@ -136,7 +139,7 @@ def _pick(timings: dict[str, float], nbits: int, device: torch.device) -> str:
 
 
 def _kernel_group(backend: str, group_size: int | None) -> int | None:
-    return None if backend.startswith("int8pack") else group_size  # the int8 kernels are per row
+    return None if KERNELS[backend].per_row else group_size  # the int8 kernels are per row
 
 
 @torch.inference_mode()
@@ -179,13 +182,15 @@ def _copies(name: str, nbits: int, group_size: int | None, out_features: int, in
     codes = torch.randint(0, 2 ** nbits, (out_features, in_features), dtype=torch.uint8, device=device)
     scale = torch.rand(out_features, groups, device=device) * 0.01 + 1e-3
     zero = torch.full((out_features, groups), 2.0 ** (nbits - 1), device=device)
-    buffers = KERNELS[name].pack(codes, scale, zero, group_size, nbits)
+    kernel = KERNELS[name]
+    buffers = kernel.pack(codes, scale, zero, group_size, nbits)
     nbytes = sum(t.numel() * t.element_size() for t in buffers.values())
     del codes, scale, zero
     count = count or max(1, min(MAX_COPIES, -(-2 * _cache_bytes() // max(nbytes, 1))))
     kernel_group = int4_kernel_group(in_features, group_size) if "scales_and_zeros" in buffers else None
     clones = [{key: t.clone() for key, t in buffers.items()} for _ in range(count - 1)]
-    return [{"buffers": copy, "group": kernel_group} for copy in [buffers, *clones]]
+    prepack = kernel.prepack or (lambda packed: packed)
+    return [{"buffers": prepack(copy), "group": kernel_group} for copy in [buffers, *clones]]
 
 
 def _cache_bytes() -> int:
@@ -241,8 +246,9 @@ def _store_path(device: torch.device) -> str | None:
 
 
 def _entry_key(key: tuple) -> str:
-    out_features, in_features, nbits, group_size, _, threads = key
-    return f"{out_features}x{in_features}/{nbits}-bit/group {group_size}/{threads} threads"
+    out_features, in_features, nbits, group_size, _, threads, activations = key
+    quantized = "/int8 activations" if activations else ""
+    return f"{out_features}x{in_features}/{nbits}-bit/group {group_size}/{threads} threads{quantized}"
 
 
 def _read_store(path: str | None) -> dict:

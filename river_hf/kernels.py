@@ -7,9 +7,15 @@ fastest on this machine for a layer's shape.
 | `int4pack_cpu`      | CPU    | 2, 3, 4 | `aten._weight_int4pack_mm_for_cpu` (bf16 activations, bf16 scales)      |
 | `int8pack_cpu`      | CPU    | 8       | `aten._weight_int8pack_mm` (bf16) + a rank-1 zero-point correction      |
 | `int8pack_fp32_cpu` | CPU    | 8       | the same kernel with fp32 activations and scales (no bf16 conversions) |
+| `w8a8_cpu`          | CPU    | 8       | fbgemm's dynamic int8 linear: activations quantized per token (W8A8)    |
 | `dense`             | any    | any     | the dequantized HQQ weight in bf16, `F.linear`: the backbone's speed    |
 | `tinygemm_cuda`     | CUDA   | 2, 3, 4 | `aten._weight_int4pack_mm` (untested here: no GPU on the CI boxes)      |
 | `hqq`               | any    | any     | dequantizes the whole weight on every call: the slow reference          |
+
+`w8a8_cpu` is the one kernel that is not weight-only: it rounds each token's activations to 7 bits before an integer
+GEMM, so it costs fidelity the others do not, and a river uses it only when asked (`RiverQuantConfig(activations=
+"int8")`). It is there because on AVX2-only CPUs, where bf16 GEMVs and the int4 kernel are slow, its u8 x s8 GEMM
+is 2-3.6x a bf16 GEMV (docs/benchmarks.md).
 
 `dense` is the floor a measured choice can fall back to where no packed kernel beats a bf16 GEMV (e.g. the 8-bit
 kernel on some AVX2 CPUs at small shapes): the twin then costs what the backbone layer costs, never more.
@@ -17,6 +23,7 @@ kernel on some AVX2 CPUs at small shapes): the twin then costs what the backbone
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from typing import Callable, NamedTuple
 
@@ -106,6 +113,18 @@ def _pack_int8_fp32_cpu(codes, scale, zero, group_size, nbits):
     return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in packed.items()}
 
 
+def _prepack_w8a8_cpu(buffers):
+    """int8 codes and per-row scales -> what `_matmul_w8a8_cpu` reads: fbgemm's packed weight (an opaque
+    ScriptObject, so not a buffer: remade from the buffers when they change) and the zero-point correction."""
+    rows = buffers["qweight"].shape[0]
+    with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated; only the packed weight is kept
+        warnings.simplefilter("ignore")
+        weight = torch._make_per_channel_quantized_tensor(
+            buffers["qweight"], buffers["kernel_scale"].double(), torch.zeros(rows, dtype=torch.long), 0)
+        packed = torch.ops.quantized.linear_prepack(weight, None)
+    return {"packed": packed, "zero_shift": buffers["zero_shift"]}
+
+
 def _pack_dense(codes, scale, zero, group_size, nbits):
     return {"qweight": dequantize(codes, scale, zero).to(torch.bfloat16)}  # [N, K]
 
@@ -136,6 +155,20 @@ def _matmul_int8(dtype, buffers, group, x):  # x: [M, K] `dtype` -> [M, N] `dtyp
     y = torch.ops.aten._weight_int8pack_mm(x, buffers["qweight"], cast(buffers["kernel_scale"], dtype))
     # Rank-1 zero-point correction: the kernel is symmetric, HQQ's 8-bit grid is not (addcmul accumulates in fp32).
     return torch.addcmul(y, x.sum(dim=-1, keepdim=True), cast(buffers["zero_shift"], dtype))
+
+
+# 7-bit activations (fbgemm's reduce_range): without VNNI, fbgemm's u8 x s8 products are summed in pairs into int16,
+# which saturates for 8-bit activations.
+_W8A8_REDUCE_RANGE = True
+
+
+def _matmul_w8a8_cpu(inputs, group, x):  # x: [M, K] fp32 -> [M, N] fp32
+    if x.shape[0] == 1:  # a decode step: fbgemm's per-tensor activation scale is already per token
+        y = torch.ops.quantized.linear_dynamic(x, inputs["packed"], _W8A8_REDUCE_RANGE)
+    else:  # fbgemm takes one scale per tensor: give every row the same range, so each token keeps its own grid
+        peak = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)  # [M, 1]
+        y = torch.ops.quantized.linear_dynamic(x / peak, inputs["packed"], _W8A8_REDUCE_RANGE) * peak
+    return torch.addcmul(y, x.sum(dim=-1, keepdim=True), cast(inputs["zero_shift"], torch.float32))
 
 
 def _matmul_dense(buffers, group, x):  # x: [M, K] bf16 -> [M, N] bf16
@@ -177,11 +210,15 @@ def _codes_hqq(module) -> torch.Tensor:
 class Kernel(NamedTuple):
     device_type: str | None  # None: runs on any device
     nbits: tuple[int, ...]
-    ops: tuple[str, ...]  # aten ops it needs (older torch builds lack some)
+    ops: tuple[str, ...]  # ops it needs (older torch builds lack some): aten's by name, others as "namespace::name"
     pack: Callable  # (codes, scale, zero, group_size, nbits) -> {buffer name: tensor}
     matmul: Callable  # (buffers: {name: tensor}, int4 group size, x [M, K]) -> [M, N]
     codes: Callable  # module -> HQQ's codes [N, K]
     activation_dtype: torch.dtype | None  # what the kernel takes (None: the input's own dtype)
+    prepack: Callable | None = None  # buffers -> what `matmul` reads, when that is not the buffers themselves
+    quantizes_activations: bool = False  # rounds the activations too (a fidelity cost): used only when asked
+    per_row: bool = False  # reads one (scale, zero) per output row: a group size is not used
+    engines: tuple[str, ...] = ()  # the torch.backends.quantized.engine values it runs under (empty: any)
 
 
 KERNELS = {
@@ -191,10 +228,16 @@ KERNELS = {
         activation_dtype=torch.bfloat16),
     "int8pack_cpu": Kernel(
         device_type="cpu", nbits=(8,), ops=("_weight_int8pack_mm",),
-        pack=_pack_int8_cpu, matmul=partial(_matmul_int8, torch.bfloat16), codes=_codes_int8, activation_dtype=torch.bfloat16),
+        pack=_pack_int8_cpu, matmul=partial(_matmul_int8, torch.bfloat16), codes=_codes_int8,
+        activation_dtype=torch.bfloat16, per_row=True),
     "int8pack_fp32_cpu": Kernel(
         device_type="cpu", nbits=(8,), ops=("_weight_int8pack_mm",),
-        pack=_pack_int8_fp32_cpu, matmul=partial(_matmul_int8, torch.float32), codes=_codes_int8, activation_dtype=torch.float32),
+        pack=_pack_int8_fp32_cpu, matmul=partial(_matmul_int8, torch.float32), codes=_codes_int8,
+        activation_dtype=torch.float32, per_row=True),
+    "w8a8_cpu": Kernel(
+        device_type="cpu", nbits=(8,), ops=("quantized::linear_dynamic", "quantized::linear_prepack"),
+        pack=_pack_int8_fp32_cpu, matmul=_matmul_w8a8_cpu, codes=_codes_int8, activation_dtype=torch.float32,
+        prepack=_prepack_w8a8_cpu, quantizes_activations=True, per_row=True, engines=("x86", "fbgemm")),
     "dense": Kernel(
         device_type=None, nbits=SUPPORTED_NBITS, ops=(),
         pack=_pack_dense, matmul=_matmul_dense, codes=_codes_dense, activation_dtype=torch.bfloat16),
@@ -210,10 +253,19 @@ KERNELS = {
 PREFERRED_BACKENDS = ("int4pack_cpu", "int8pack_cpu", "tinygemm_cuda")
 
 
+def _has_op(qualified: str) -> bool:
+    namespace, _, name = qualified.rpartition("::")
+    try:
+        return hasattr(getattr(torch.ops, namespace or "aten"), name)
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def runs(backend: str, nbits: int, device: torch.device) -> bool:
     kernel = KERNELS[backend]
     return (nbits in kernel.nbits and kernel.device_type in (None, device.type)
-            and all(hasattr(torch.ops.aten, op) for op in kernel.ops))
+            and all(_has_op(op) for op in kernel.ops)
+            and (not kernel.engines or torch.backends.quantized.engine in kernel.engines))
 
 
 def shape_problem(backend: str, out_features: int, in_features: int, group_size: int | None) -> str | None:

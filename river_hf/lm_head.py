@@ -38,12 +38,13 @@ class RiverLMHead(nn.Module):
 
     @classmethod
     def from_head(cls, head: nn.Module, nbits: int = 8, group_size: int | None = None, axis: int = 1,
-                  backend: str = "auto") -> "RiverLMHead":
+                  backend: str = "auto", activations: str | None = None) -> "RiverLMHead":
         """Quantize `head` (an nn.Linear, [vocab, hidden]; left untouched) with `RiverQuantLinear.from_linear`."""
         if not isinstance(head, nn.Linear):
             raise ValueError(f"`quantize_lm_head`: the model's output embedding must be an nn.Linear to quantize; "
                              f"got {type(head).__name__}.")
-        quantized = RiverQuantLinear.from_linear(head, nbits=nbits, group_size=group_size, axis=axis, backend=backend)
+        quantized = RiverQuantLinear.from_linear(head, nbits=nbits, group_size=group_size, axis=axis, backend=backend,
+                                                 activations=activations)
         return cls(head, quantized)
 
     def uses_quantized_head(self) -> bool:

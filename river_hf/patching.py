@@ -73,7 +73,8 @@ def _twin(layer: nn.Module, idx: int, quant_config: RiverQuantConfig) -> nn.Modu
 
     def quantize(linear):
         twin_linear = RiverQuantLinear.from_linear(linear, nbits=nbits, group_size=group_size,
-                                                   axis=quant_config.axis, backend=quant_config.backend)
+                                                   axis=quant_config.axis, backend=quant_config.backend,
+                                                   activations=quant_config.activations)
         twin_linear.source_fingerprint = fingerprint(linear)  # what a saved river checks its twins against
         return twin_linear
 
@@ -92,7 +93,7 @@ def _quantized_lm_head(model: nn.Module, quant_config: RiverQuantConfig, stored=
         return RiverLMHead(head, quantized)
     lm_head = RiverLMHead.from_head(head, nbits=quant_config.lm_head_nbits,
                                     group_size=quant_config.lm_head_group_size, axis=quant_config.axis,
-                                    backend=quant_config.backend)
+                                    backend=quant_config.backend, activations=quant_config.activations)
     lm_head.quantized_head.source_fingerprint = fingerprint(head)
     return lm_head
 

@@ -28,6 +28,9 @@ from .kernels import KERNELS, PREFERRED_BACKENDS, SUPPORTED_NBITS, cast, dequant
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256, None)  # None = one group per output channel (whole row)
 BACKENDS = ("auto", "fastest", *KERNELS)
+# What 'auto' and 'fastest' may do to activations: None keeps the kernels weight-only; "int8" also lets 8-bit twins
+# run on kernels that round each token's activations to int8 (KERNELS[...].quantizes_activations), a fidelity cost
+ACTIVATIONS = (None, "int8")
 
 
 # ---------------------------------------------------------------- HQQ quantization (step 1: codes + scale/zero)
@@ -75,8 +78,10 @@ def backend_nbits(backend: str) -> tuple[int, ...]:
     return SUPPORTED_NBITS if backend in ("auto", "fastest") else KERNELS[backend].nbits
 
 
-def _fast_backend(nbits: int, device: torch.device) -> str | None:
-    return next((name for name in PREFERRED_BACKENDS if runs(name, nbits, device)), None)
+def _fast_backend(nbits: int, device: torch.device, activations: str | None = None) -> str | None:
+    quantizing = tuple(name for name, kernel in KERNELS.items() if kernel.quantizes_activations)
+    preferred = (quantizing if activations == "int8" else ()) + PREFERRED_BACKENDS
+    return next((name for name in preferred if runs(name, nbits, device)), None)
 
 
 def _warn_slow(nbits: int, device: torch.device, reason: str) -> None:
@@ -85,15 +90,17 @@ def _warn_slow(nbits: int, device: torch.device, reason: str) -> None:
                   f"call and is slower than the full-precision layer ({nbits}-bit on {device.type}).", stacklevel=2)
 
 
-def resolve_backend(backend: str, nbits: int, device: torch.device) -> str:
+def resolve_backend(backend: str, nbits: int, device: torch.device, activations: str | None = None) -> str:
     """The kernel a twin linear will run on. 'auto' -> the fastest one that runs `nbits` on `device`:
-    CPU: 2/3/4 bits -> 'int4pack_cpu', 8 -> 'int8pack_cpu'; CUDA: 2/3/4 -> 'tinygemm_cuda'; otherwise 'hqq' (slow,
-    with a warning). An explicit backend is returned as is if it can run there, else ValueError."""
+    CPU: 2/3/4 bits -> 'int4pack_cpu', 8 -> 'int8pack_cpu' ('w8a8_cpu' with activations="int8"); CUDA: 2/3/4 ->
+    'tinygemm_cuda'; otherwise 'hqq' (slow, with a warning). An explicit backend is returned as is if it can run
+    there, else ValueError."""
     check_choice("nbits", nbits, SUPPORTED_NBITS)
     check_choice("backend", backend, BACKENDS)
+    check_choice("activations", activations, ACTIVATIONS)
     device = torch.device(device)
     if backend in ("auto", "fastest"):  # 'fastest' needs the layer's shape: `_fit_layer` measures it
-        fast = _fast_backend(nbits, device)
+        fast = _fast_backend(nbits, device, activations)
         if fast is None:
             _warn_slow(nbits, device, f"no fast kernel for {nbits}-bit weights on {device.type}")
         return fast or "hqq"
@@ -104,12 +111,13 @@ def resolve_backend(backend: str, nbits: int, device: torch.device) -> str:
     return backend
 
 
-def _fit_layer(requested: str, nbits: int, group_size: int | None, weight: torch.Tensor) -> tuple[str, int | None]:
+def _fit_layer(requested: str, nbits: int, group_size: int | None, weight: torch.Tensor,
+               activations: str | None) -> tuple[str, int | None]:
     """The (backend, group_size) one layer's weight [N, K] will use; warns when that is not what was asked."""
     if requested == "fastest" and weight.device.type == "cpu":  # on CUDA (one kernel per width) 'auto' decides
-        backend = fastest_backend(nbits, group_size, *weight.shape, weight.device).backend
-        return backend, None if backend.startswith("int8pack") else group_size
-    backend = resolve_backend(requested, nbits, weight.device)
+        backend = fastest_backend(nbits, group_size, *weight.shape, weight.device, activations).backend
+        return backend, None if KERNELS[backend].per_row else group_size
+    backend = resolve_backend(requested, nbits, weight.device, activations)
     problem = shape_problem(backend, *weight.shape, group_size)
     if problem and requested not in ("auto", "fastest"):
         raise ValueError(f"`backend`={requested!r} cannot run this layer: {problem}.")
@@ -119,7 +127,7 @@ def _fit_layer(requested: str, nbits: int, group_size: int | None, weight: torch
     elif requested == "hqq":
         fast = _fast_backend(nbits, weight.device)
         _warn_slow(nbits, weight.device, f"backend 'hqq' was asked for ({fast or 'no kernel'} is the fast one here)")
-    if backend.startswith("int8pack") and group_size is not None:
+    if KERNELS[backend].per_row and group_size is not None:
         warnings.warn(f"RiverQuantLinear: {backend!r} runs 8-bit weights with one group per output row; "
                       f"`group_size`={group_size} is ignored.", stacklevel=2)
         group_size = None
@@ -129,23 +137,23 @@ def _fit_layer(requested: str, nbits: int, group_size: int | None, weight: torch
 def _readable(backend: str, nbits: int, group_size: int | None, out_features: int, in_features: int) -> bool:
     """Whether `backend` can run codes already grouped by `group_size` (stored codes cannot be regrouped: the int8
     kernels read one (scale, zero) per row)."""
-    if backend.startswith("int8pack") and group_size is not None:
+    if KERNELS[backend].per_row and group_size is not None:
         return False
     return shape_problem(backend, out_features, in_features, group_size) is None
 
 
 def _backend_for_codes(requested: str, nbits: int, group_size: int | None, out_features: int, in_features: int,
-                       device: torch.device) -> str:
+                       device: torch.device, activations: str | None) -> str:
     """The kernel for stored codes: chosen as for a fresh layer ('fastest' measures, 'auto' takes the preferred one),
     among the kernels that can read the codes' grouping; 'dense' (any grouping, the backbone's speed) otherwise."""
     if requested == "fastest" and device.type == "cpu":
-        choice = fastest_backend(nbits, group_size, out_features, in_features, device)
+        choice = fastest_backend(nbits, group_size, out_features, in_features, device, activations)
         if _readable(choice.backend, nbits, group_size, out_features, in_features):
             return choice.backend  # what a fresh build picks (the preferred kernel wins close calls)
         usable = [name for name in choice.microseconds if _readable(name, nbits, group_size, out_features,
                                                                     in_features)]
         return min(usable, key=choice.microseconds.get) if usable else "hqq"
-    backend = resolve_backend(requested, nbits, device)
+    backend = resolve_backend(requested, nbits, device, activations)
     if _readable(backend, nbits, group_size, out_features, in_features):
         return backend
     if requested not in ("auto", "fastest"):
@@ -250,14 +258,30 @@ class RiverQuantLinear(nn.Module):
         # int4 kernels read per-row scales as groups they accept (see _int4_kernel_group).
         sz = buffers.get("scales_and_zeros")
         self.kernel_group_size = None if sz is None else in_features // sz.shape[0]
+        self._prepack()
+        # Loading a state dict copies into the buffers in place: an fbgemm weight packed before would be stale.
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._prepack())
+
+    def _prepack(self) -> None:
+        """`kernel_inputs`: what the kernel's matmul reads; the buffers themselves unless the kernel packs them into
+        an object of its own (fbgemm's weight for 'w8a8_cpu', remade whenever the buffers change)."""
+        prepack = self.kernel.prepack
+        self.kernel_inputs = self._buffers if prepack is None else prepack(self._buffers)
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self._prepack()
+        return module
 
     @classmethod
     @torch.no_grad()
     def from_linear(cls, linear: nn.Linear, nbits: int = 4, group_size: int | None = 64, axis: int = 1,
-                    backend: str = "auto") -> "RiverQuantLinear":
-        """Quantize `linear` (its weight [N, K] stays untouched) on its own device, packed for `backend`."""
+                    backend: str = "auto", activations: str | None = None) -> "RiverQuantLinear":
+        """Quantize `linear` (its weight [N, K] stays untouched) on its own device, packed for `backend`
+        (`activations`: see ACTIVATIONS)."""
         _check_layer(linear, nbits, group_size, axis)
-        backend, group_size = _fit_layer(backend, nbits, group_size, linear.weight)
+        check_choice("activations", activations, ACTIVATIONS)
+        backend, group_size = _fit_layer(backend, nbits, group_size, linear.weight, activations)
         codes, scale, zero = _hqq_quantize(linear.weight, nbits, group_size)
         buffers = {"scale": scale, "zero": zero, **KERNELS[backend].pack(codes, scale, zero, group_size, nbits)}
         bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -267,7 +291,7 @@ class RiverQuantLinear(nn.Module):
     @torch.no_grad()
     def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
                    nbits: int = 4, group_size: int | None = 64, backend: str = "auto",
-                   device: torch.device | str | None = None) -> "RiverQuantLinear":
+                   device: torch.device | str | None = None, activations: str | None = None) -> "RiverQuantLinear":
         """A twin linear from HQQ codes made before (a saved river, river_hf.twin_store): codes uint8 [N, K] in
         0..2^nbits-1, scale and zero [N, G]; packed for `backend` on `device` (default: the codes' device), no HQQ.
         'fastest' measures the kernels for this shape as `from_linear` does, among those that can read the codes'
@@ -281,7 +305,7 @@ class RiverQuantLinear(nn.Module):
                              f"{codes.dtype} {tuple(codes.shape)}, scale {tuple(scale.shape)}, zero {tuple(zero.shape)} "
                              f"for `group_size`={group_size}.")
         device = torch.device(device) if device is not None else codes.device
-        backend = _backend_for_codes(backend, nbits, group_size, out_features, in_features, device)
+        backend = _backend_for_codes(backend, nbits, group_size, out_features, in_features, device, activations)
         codes, scale, zero = codes.to(device), scale.to(device).float(), zero.to(device).float()
         buffers = {"scale": scale, "zero": zero, **KERNELS[backend].pack(codes, scale, zero, group_size, nbits)}
         bias = None if bias is None else bias.to(device)
@@ -314,7 +338,7 @@ class RiverQuantLinear(nn.Module):
         x2d = x.reshape(-1, self.in_features)  # [M, K]
         if kernel.activation_dtype is not None:
             x2d = cast(x2d, kernel.activation_dtype).contiguous()  # the packed kernels take one dtype
-        y = cast(kernel.matmul(self._buffers, self.kernel_group_size, x2d), x.dtype)  # [M, N]
+        y = cast(kernel.matmul(self.kernel_inputs, self.kernel_group_size, x2d), x.dtype)  # [M, N]
         if self.has_bias:
             y = y + cast(self.bias, x.dtype)
         return y.view(*x.shape[:-1], self.out_features)

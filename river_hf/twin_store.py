@@ -259,7 +259,7 @@ class StoredTwins:
             if stored is None:
                 raise _Mismatch("no quantized LM head is stored")
             _check_asked(stored, quant_config.lm_head_nbits, quant_config.lm_head_group_size, "lm_head_nbits")
-            return self._linear(stored["linear"], head, quant_config.backend)
+            return self._linear(stored["linear"], head, quant_config)
         except _Mismatch as mismatch:
             warnings.warn(f"river: the stored twins in {self.path} do not fit the LM head: {mismatch}. It is "
                           f"quantized again with HQQ.", TwinsMismatchWarning, stacklevel=3)
@@ -284,11 +284,12 @@ class StoredTwins:
             raise _Mismatch(f"other linears are quantized (stored {sorted(stored['linears'])}, now "
                             f"{sorted(quantized)}): `skip_modules` differs")
         for name, (path, linear) in quantized.items():
-            twin.set_submodule(path, self._linear(stored["linears"][name], linear, quant_config.backend))
+            twin.set_submodule(path, self._linear(stored["linears"][name], linear, quant_config))
         return twin
 
-    def _linear(self, entry: dict, source: nn.Linear, backend: str) -> RiverQuantLinear:
-        """The stored twin of `source` (checked against its fingerprint), packed for `backend` on its device."""
+    def _linear(self, entry: dict, source: nn.Linear, quant_config) -> RiverQuantLinear:
+        """The stored twin of `source` (checked against its fingerprint), packed for the config's `backend` (and
+        `activations`) on its device."""
         source_fingerprint = fingerprint(source)
         if source_fingerprint != entry["fingerprint"]:
             raise _Mismatch(f"the backbone weights differ from those the twins were made from (`{entry['key']}`: "
@@ -298,8 +299,9 @@ class StoredTwins:
         bias = self.tensors.get(f"{key}.bias")
         linear = RiverQuantLinear.from_codes(codes, self.tensors[f"{key}.scale"], self.tensors[f"{key}.zero"],
                                              bias,
-                                             nbits=entry["nbits"], group_size=entry["group_size"], backend=backend,
-                                             device=source.weight.device)
+                                             nbits=entry["nbits"], group_size=entry["group_size"],
+                                             backend=quant_config.backend, device=source.weight.device,
+                                             activations=quant_config.activations)
         linear.source_fingerprint = source_fingerprint
         return linear
 

@@ -124,3 +124,17 @@ def test_unknown_twin_bits_name_the_field():
 
     with pytest.raises(ValueError, match="`twin_bits`=\\(3,\\)"):
         twin_configs(RiverQuantConfig(), (3,))
+
+
+def test_w8a8_build_alone_carries_the_head_and_its_own_name(tmp_path):
+    output = tmp_path / "w8a8.json"
+    code, _ = run_cli(["bench", "--random-model", "tiny-test", "--quick", "--prompts", "1", "--rounds", "1",
+                       "--max-new-tokens", "3", "--prompt-length", "8", "--start-layer", "1", "--backend", "auto",
+                       "--twin-bits", "8", "--activations", "int8", "--exit-rates", "0.5", "--no-plots",
+                       "--output", str(output)])
+    record = json.loads(output.read_text())
+    assert code == 0 and list(record["random_model"]["twin_builds"]) == ["8-bit W8A8"]
+    assert record["random_model"]["twin_builds"]["8-bit W8A8"]["activations"] == "int8"
+    assert [system["name"] for system in record["systems"]] == [
+        "backbone", "full-quant 8-bit W8A8+head (river)", "static 8-bit W8A8", "static 8-bit W8A8+head",
+        "random p=0.5"]

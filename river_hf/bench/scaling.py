@@ -42,10 +42,13 @@ NOT_MEASURED = "not measured: random weights"
 
 
 def twin_configs(quant: RiverQuantConfig, twin_bits=TWIN_BITS) -> dict[str, RiverQuantConfig]:
-    """The builds: 8-bit twins (per row: the int8 kernels read one scale per row) without a quantized head, then
-    4-bit twins with the 8-bit head; group size, start layer and backend as `quant` says. `twin_bits` keeps only some
-    (e.g. (4,) where two builds do not fit in memory: the 3B shape on a 24 GiB machine)."""
-    configs = {8: ("8-bit", replace(quant, nbits=8, group_size=None, quantize_lm_head=False)),
+    """The builds: 8-bit twins (per row: the int8 kernels read one scale per row), then 4-bit twins; the last build
+    (the river that stays) also quantizes the LM head to 8 bits. Group size, start layer, backend and activations as
+    `quant` says. `twin_bits` keeps only some (e.g. (4,) where two builds do not fit in memory: the 3B shape on a
+    24 GiB machine; (8,) for 8-bit twins with the 8-bit head)."""
+    only_8 = tuple(twin_bits) == (8,)
+    eight = "8-bit W8A8" if quant.activations == "int8" else "8-bit"  # its own line in the scaling plot
+    configs = {8: (eight, replace(quant, nbits=8, group_size=None, quantize_lm_head=only_8, lm_head_nbits=8)),
                4: ("4-bit", replace(quant, nbits=4, quantize_lm_head=True, lm_head_nbits=8))}
     unknown = sorted(set(twin_bits) - set(configs))
     if unknown or not twin_bits:

@@ -169,13 +169,17 @@ def add_twin_args(parser: argparse.ArgumentParser) -> None:
                        help="Twin kernel: 'fastest' times the kernels that can run each layer shape on this machine "
                             "and takes the fastest (shown after the build); 'auto' takes the device's preferred "
                             "kernel without measuring (default: %(default)s).")
+    group.add_argument("--activations", choices=["int8"], default=None,
+                       help="Let 8-bit twins and the 8-bit LM head run on fbgemm's dynamic int8 linear, which also "
+                            "rounds each token's activations to int8 (w8a8_cpu): faster on AVX2 CPUs, less faithful "
+                            "(default: weight-only kernels).")
 
 
 def twin_config(args: argparse.Namespace) -> RiverQuantConfig:
     with user_errors():
         return RiverQuantConfig(nbits=args.nbits, group_size=args.group_size, start_layer=args.start_layer,
                                 backend=args.backend, quantize_lm_head=args.quantize_lm_head,
-                                lm_head_nbits=args.lm_head_nbits)
+                                lm_head_nbits=args.lm_head_nbits, activations=args.activations)
 
 
 def build(model, quant_config: RiverQuantConfig):
