@@ -15,7 +15,7 @@ fastest on this machine for a layer's shape.
 `w8a8_cpu` is the one kernel that is not weight-only: it rounds each token's activations to 7 bits before an integer
 GEMM, so it costs fidelity the others do not, and a river uses it only when asked (`RiverQuantConfig(activations=
 "int8")`). It is there because on AVX2-only CPUs, where bf16 GEMVs and the int4 kernel are slow, its u8 x s8 GEMM
-is 2-3.6x a bf16 GEMV (docs/benchmarks.md).
+is 2.2-2.3x a bf16 GEMV at Llama-3.2-1B's sizes, and slower at 576-wide ones (docs/activations.md).
 
 `dense` is the floor a measured choice can fall back to where no packed kernel beats a bf16 GEMV (e.g. the 8-bit
 kernel on some AVX2 CPUs at small shapes): the twin then costs what the backbone layer costs, never more.

@@ -210,7 +210,8 @@ def short_twin_label(twins: dict) -> str:
     return f"{bits_label(twins['nbits'])}-bit {group}{head}"
 
 
-SCALING_COLORS = ("tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple", "tab:brown", "0.45", "tab:olive")
+SCALING_COLORS = ("tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple", "tab:brown", "0.45", "tab:olive",
+                  "tab:cyan", "tab:pink", "black", "gold", "navy", "lime")
 
 
 def scaling_figure(records: list[dict]) -> Figure:
@@ -223,9 +224,9 @@ def scaling_figure(records: list[dict]) -> Figure:
     axes = figure.subplots(1, len(by_capability), squeeze=False)[0]
     for ax, (machine, group) in zip(axes, sorted(by_capability.items())):
         group = sorted(group, key=_parameters)
-        names = list(dict.fromkeys(s["name"] for r in group for s in r["systems"] if s["kind"] != "backbone"))
+        names = list(dict.fromkeys(_line(r, s) for r in group for s in r["systems"] if s["kind"] != "backbone"))
         for name, color in zip(names, SCALING_COLORS * (len(names) // len(SCALING_COLORS) + 1)):
-            points = [(_parameters(r), s["summary"]) for r in group for s in r["systems"] if s["name"] == name]
+            points = [(_parameters(r), s["summary"]) for r in group for s in r["systems"] if _line(r, s) == name]
             xs = [x for x, _ in points]
             ax.plot(xs, [sm["speed_ratio"] for _, sm in points], marker="o", color=color, label=name)
             limits = [sm.get("byte_ratio") for _, sm in points]
@@ -241,6 +242,13 @@ def scaling_figure(records: list[dict]) -> Figure:
                     fontsize=9)
     figure.tight_layout()
     return figure
+
+
+def _line(record: dict, system: dict) -> str:
+    """The line a system belongs to: its name; random routing's also names the twins it exits onto (the last build
+    of its record), since records of other twin builds route randomly too."""
+    builds = list((record.get("random_model") or {}).get("twin_builds") or [])
+    return f"{system['name']} ({builds[-1]} twins)" if system["kind"] == "random" and builds else system["name"]
 
 
 def _parameters(record: dict) -> float:

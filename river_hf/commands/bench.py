@@ -68,7 +68,9 @@ def _add_random_model_args(parser: argparse.ArgumentParser) -> None:
                        help="Random token ids per prompt with --random-model (default: %(default)s).")
     group.add_argument("--twin-bits", type=int, nargs="+", choices=(4, 8), default=[8, 4], metavar="BITS",
                        help="The river builds of --random-model (default: both, 8 then 4); `--twin-bits 4` builds "
-                            "only the 4-bit twins with the 8-bit head, where two builds do not fit in memory.")
+                            "only the 4-bit twins with the 8-bit head, where two builds do not fit in memory; "
+                            "`--twin-bits 8` only the 8-bit twins, with the 8-bit head (with --activations int8: W8A8 "
+                            "twins).")
 
 
 def _add_sweep_args(parser: argparse.ArgumentParser) -> None:
