@@ -31,6 +31,16 @@ from river_hf.router import ExitRouter
 os.environ.setdefault("RIVER_HF_CACHE", tempfile.mkdtemp(prefix="river_hf_test_cache_"))
 
 @pytest.fixture
+def one_thread():
+    """Tiny matrices: a second thread only adds sync cost, and on a busy 2-core box OpenMP waits dominate (10-100x).
+    Modules of kernel tests use it for every test (`pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def hqq_calls(monkeypatch):
     """Counts HQQ quantizations (one per twin linear built from scratch): [count]."""
     calls = [0]

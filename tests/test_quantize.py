@@ -26,13 +26,7 @@ CPU = torch.device("cpu")
 IN, OUT = 256, 128  # OUT: a multiple of 16, as the int4 CPU kernel needs
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: a second thread only adds sync cost, and on a busy 2-core box OpenMP waits dominate (10-100x)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matrices run faster on one thread
 
 
 def make_linear(in_features=IN, out_features=OUT, bias=True, seed=0) -> nn.Linear:

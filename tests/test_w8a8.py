@@ -20,15 +20,8 @@ from conftest import generate, plain_copy_with_twins, river_of, tiny_model
 
 CPU = torch.device("cpu")
 IN, OUT = 256, 128
-pytestmark = pytest.mark.skipif(not runs("w8a8_cpu", 8, CPU), reason="no fbgemm/x86 quantized engine in this torch")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.skipif(not runs("w8a8_cpu", 8, CPU), reason="no fbgemm/x86 quantized engine in this torch"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 def twin(seed: int = 0, bias: bool = True) -> tuple[nn.Linear, RiverQuantLinear]:
