@@ -9,7 +9,8 @@ prepares the inputs, logits processors, stopping criteria, max_length and the ca
 2. crop the cache back by those k positions (`RiverCache.crop` keeps the exit record aligned);
 3. verify: one backbone pass over the last committed token and the k drafts writes their K/V (the cache's router is
    set aside for that pass, so every layer runs its backbone layer as in plain generate; the positions are recorded
-   at depth num_layers) and gives k + 1 next-token distributions;
+   at depth num_layers) and gives k + 1 next-token distributions, each row computed as plain generate's one-token
+   step computes it (`river_hf.exact_rows`), so they are the plain model's bit for bit;
 4. keep the longest agreeing prefix plus the backbone's own next token (`river_hf.acceptance`), feed them to the
    stopping criteria and the streamer one by one, and crop the positions of the rejected drafts.
 
@@ -21,7 +22,7 @@ when drafting does not pay (`draft_fallback`). Batch size 1 only.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -29,6 +30,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .acceptance import greedy_accept, speculative_accept
 from .cache import RiverCache
 from .draft_control import BACKBONE_CHOSE, DraftControl, DraftRecord, DraftRound, FallbackMemory
+from .exact_rows import ExactRows
 from .layers import river_layers
 
 
@@ -66,7 +68,7 @@ def lossless_decoding(model, input_ids, logits_processor, stopping_criteria, gen
     control = DraftControl(lossless_settings.num_draft_tokens, lossless_settings.draft_fallback, record,
                            draft_clock or time.perf_counter, fallback_memory(model, lossless_settings))
     decoder = _Decoder(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
-                       lossless_streamer, control)
+                       lossless_streamer, control, ExactRows(model) if lossless_settings.exact_verify else None)
     decoder.run()
     control.call_done()
     return decoder.output()
@@ -117,8 +119,10 @@ class _Decoder:
     """The state of one lossless call: the committed tokens `ids` [1, C] (the cache holds C - 1 positions: the last
     token is fed by the next pass), `model_kwargs` aligned with them, and what the output returns."""
 
-    def __init__(self, model, input_ids, processor, stopping, generation_config, model_kwargs, streamer, control):
+    def __init__(self, model, input_ids, processor, stopping, generation_config, model_kwargs, streamer, control,
+                 exact: ExactRows | None):
         self.model, self.ids, self.processor, self.stopping = model, input_ids, processor, stopping
+        self.exact = exact  # None: verification is one multi-row pass (equal to one-token steps up to rounding)
         self.config, self.model_kwargs, self.streamer, self.control = generation_config, model_kwargs, streamer, control
         self.cache: LosslessCache = model_kwargs["cache"]
         self.router = self.cache.router
@@ -145,7 +149,7 @@ class _Decoder:
 
     def _plain_step(self) -> None:
         started = self.control.clock()
-        with backbone_pass(self.cache, 1, self.ids.device):
+        with backbone_pass(self.cache, 1, self.ids.device), self._rows(1):
             logits = self._forward(self.ids, 1).logits[:, -1:].float()
         self._show_signal(logits)
         self._commit(*self._backbone_token(logits), [BACKBONE_CHOSE])
@@ -156,7 +160,7 @@ class _Decoder:
         drafts, draft_probs, depths = self._draft(k)
         drafted = self.control.clock()
         self.cache.crop(-len(drafts))  # the drafted positions: the backbone writes them again
-        with backbone_pass(self.cache, len(drafts) + 1, self.ids.device):
+        with backbone_pass(self.cache, len(drafts) + 1, self.ids.device), self._rows(len(drafts) + 1):
             logits = self._forward(torch.cat([self.ids, drafts[None]], dim=1), len(drafts) + 1).logits
         logits = logits[:, -(len(drafts) + 1):].float()  # [1, k + 1, V]
         scores = self._processed(logits, drafts)
@@ -191,6 +195,13 @@ class _Decoder:
         return torch.cat(drafts), torch.stack(probs) if probs else None, depths
 
     # ---- passes and tokens --------------------------------------------------------------------------------------
+    def _rows(self, rows: int):
+        """A backbone pass over `rows` tokens that computes each as plain generate's one-token step would
+        (river_hf.exact_rows): the verified K/V and logits are then the plain model's bit for bit. One-token passes
+        need it too, for sliding-window layers: the lossless cache keeps keys a crop may need, which plain generate's
+        steps do not see."""
+        return self.exact.rows(rows) if self.exact is not None else nullcontext()
+
     def _forward(self, sequence: torch.Tensor, num_new: int):
         """One model pass over the last `num_new` tokens of `sequence` (the committed ids, then drafts)."""
         extra = sequence.shape[1] - self.ids.shape[1]  # drafts beyond the committed tokens

@@ -64,15 +64,19 @@ class RiverSettings:
     lossless: bool = field(default=False, metadata={"help": (
         "Lossless mode (docs/lossless.md): the river, with its exit signal, drafts up to `num_draft_tokens` tokens, "
         "the backbone verifies them in one forward pass and keeps the longest agreeing prefix plus its own next "
-        "token, in the one RiverCache. Greedy output equals the backbone's (exactly in fp32; in bf16 a multi-token "
-        "pass rounds differently from one-token decoding, so a near-tie can flip); sampling follows the backbone's "
-        "distribution (speculative sampling). Batch size 1, kv_strategy 'river'.")})
+        "token, in the one RiverCache. Greedy output equals the backbone's bit for bit (see `exact_verify`); "
+        "sampling follows the backbone's distribution (speculative sampling). Batch size 1, kv_strategy 'river'.")})
     num_draft_tokens: int | str = field(default=4, metadata={"help": (
         "lossless only: tokens the river drafts per verification, an int >= 1, or 'heuristic' (start at 4; +2 after "
         "a fully accepted draft, -1 otherwise, as transformers' num_assistant_tokens_schedule='heuristic').")})
     draft_fallback: bool = field(default=True, metadata={"help": (
         "lossless only: measure drafting's cost per token during the call and decode on the plain backbone for the "
         "rest of it once drafting is slower than the backbone's own steps (docs/lossless.md, 'The fallback').")})
+    exact_verify: bool = field(default=True, metadata={"help": (
+        "lossless only: the verification pass computes each drafted position as a one-token step does (attention "
+        "per query row; linears per row where this machine's kernel rounds a multi-row matmul differently), so "
+        "greedy output and cache are the plain model's bit for bit in any dtype. False: one multi-row pass, equal "
+        "up to rounding (a near-tie argmax can flip), cheaper where multi-row linears are not batch-invariant.")})
 
     def __post_init__(self):
         _check_tau(self.tau)
@@ -92,7 +96,7 @@ class RiverSettings:
         self._check_lossless_fields()
 
     def _check_lossless_fields(self) -> None:
-        for name in ("lossless", "draft_fallback"):
+        for name in ("lossless", "draft_fallback", "exact_verify"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False; got {getattr(self, name)!r}.")
         draft = self.num_draft_tokens

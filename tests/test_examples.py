@@ -73,3 +73,12 @@ def test_load_phases_example_times_the_phases_and_puts_everything_back(saved_tin
     assert 0 < load["phases"]["read"][0] < load["total_s"]
     assert (twin_store.digest, twin_store.StoredTwins.__dict__["read"], dict(kernels.KERNELS)) == before
     assert "load 1: " in capsys.readouterr().out
+
+
+def test_verify_rows_example_shows_the_exact_pass_equals_one_token_steps(saved_tiny_model, capsys):
+    results = load_example("verify_rows").main(["--model", str(saved_tiny_model), "--dtype", "float32",
+                                               "--rows", "4", "--repeats", "1"])
+    assert results["one-token steps"]["logits_differing"] == 0
+    exact = results["one pass, river_hf.exact_rows"]
+    assert exact["logits_differing"] == 0 and exact["kv_differing"] == 0
+    assert "| one pass, batched |" in capsys.readouterr().out

@@ -3,8 +3,9 @@
 Per system: decode speed as a ratio to the backbone's, greedy match (the share of generated tokens equal to the
 backbone's own greedy tokens on the same prompt: must be 100%), acceptance rate, tokens per backbone pass, how many
 runs fell back to plain decoding and after how many tokens, and where the decode time went (drafting, verification,
-of it the drafts that were thrown away, plain steps). Each lossless setting runs twice: as users get it (with the
-fallback) and with `draft_fallback=False`, whose speed says what drafting alone achieves on this machine.
+of it the drafts that were thrown away, plain steps). Each lossless setting runs three times: as users get it (with
+the fallback), with `draft_fallback=False`, whose speed says what drafting alone achieves on this machine, and the
+same with `exact_verify=False` (one multi-row verification pass: what bit-exactness costs here).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from .speed import TokenClock
 from .systems import BACKBONE, fixed_length, twin_description
 
 SCHEMA = "river-hf-bench-lossless/1"
+# (name suffix, draft_fallback, exact_verify): as users get it; drafting alone; drafting alone with one multi-row
+# verification pass instead of the row-exact one (what exactness costs on this machine)
+VARIANTS = (("", True, True), (" (no fallback)", False, True), (" (no fallback, batched verify)", False, False))
 
 
 def lossless_systems(draft_lengths: list, signal_taus: list[tuple[str, float]], max_new_tokens: int) -> dict:
@@ -34,9 +38,9 @@ def lossless_systems(draft_lengths: list, signal_taus: list[tuple[str, float]], 
     for k in draft_lengths:
         for signal, tau in signal_taus:
             name = f"lossless k={k} {signal} tau={tau:g}"
-            for suffix, fallback in (("", True), (" (no fallback)", False)):
+            for suffix, fallback, exact in VARIANTS:
                 systems[name + suffix] = RiverConfig(tau=tau, exit_signal=signal, lossless=True, num_draft_tokens=k,
-                                                     draft_fallback=fallback, **fixed)
+                                                     draft_fallback=fallback, exact_verify=exact, **fixed)
     return systems
 
 
