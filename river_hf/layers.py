@@ -8,7 +8,6 @@ the backbone's cache slot. Norms (and any other non-linear parameter) are shared
 
 from __future__ import annotations
 
-import copy
 import time
 from contextlib import contextmanager
 
@@ -105,16 +104,29 @@ def make_twin(layer: nn.Module, quantize_linear, skip_modules: list[str], lora_t
 
     _refuse_packed_weights(layer, is_skipped)
     adapted = twin_replacements(layer, is_skipped, lora_twins)  # first: a bad adapter raises before any work is done
-    # deepcopy with a memo of the layer's own tensors: the copy refers to the same Parameter/buffer objects,
-    # so norms stay shared and no full-precision weight is duplicated before quantization replaces it.
-    memo = {id(tensor): tensor for tensor in (*layer.parameters(), *layer.buffers())}
-    twin = copy.deepcopy(layer, memo)
+    twin = clone_modules(layer)
     for name, module in adapted.items():
         twin.set_submodule(name, module)
     for name, module in list(twin.named_modules()):
         if isinstance(module, nn.Linear) and not is_skipped(name):
             twin.set_submodule(name, quantize_linear(module))
     return twin
+
+
+def clone_modules(module: nn.Module) -> nn.Module:
+    """A copy of `module`'s tree of modules sharing every parameter, buffer and plain attribute (its config too): only
+    the module objects and their registries (submodules, parameters, buffers, hooks) are new, so setting a submodule
+    of the copy leaves `module` as it was. deepcopy, even with a memo of the tensors, walked and copied every
+    attribute object: about 800 deepcopy calls per SmolLM2 layer."""
+    clone = module.__class__.__new__(module.__class__)
+    clone.__dict__ = {name: _registry_copy(value) for name, value in module.__dict__.items()}
+    clone._modules = {name: None if child is None else clone_modules(child) for name, child in module._modules.items()}
+    return clone
+
+
+def _registry_copy(value):
+    """A module's registries (dicts and sets of its __dict__: parameters, buffers, hooks) are copied, not shared."""
+    return value.copy() if isinstance(value, (dict, set)) else value
 
 
 def _refuse_packed_weights(layer: nn.Module, is_skipped) -> None:

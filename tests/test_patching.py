@@ -95,3 +95,19 @@ def test_layers_without_layer_idx_are_unsupported():
 
     with pytest.raises(river_hf.UnsupportedModelError, match="no attention module with a `layer_idx`"):
         river_hf.build_river(Model())
+
+
+def test_a_twin_is_a_new_module_tree_over_the_same_tensors():
+    from river_hf.layers import clone_modules
+
+    layer = tiny_model("llama").model.layers[0]
+    clone = clone_modules(layer)
+    assert clone is not layer and clone.self_attn is not layer.self_attn and clone.mlp is not layer.mlp
+    assert clone.self_attn.q_proj.weight is layer.self_attn.q_proj.weight  # shared, not copied
+    assert clone.self_attn.config is layer.self_attn.config
+    clone.mlp.set_submodule("down_proj", nn.Identity())  # the original keeps its own
+    clone.self_attn.q_proj.register_forward_hook(lambda *args: None)
+    clone.input_layernorm.register_buffer("extra", torch.zeros(1))
+    assert isinstance(layer.mlp.down_proj, nn.Linear)
+    assert not layer.self_attn.q_proj._forward_hooks and "extra" not in layer.input_layernorm._buffers
+    assert "mlp.down_proj.weight" in layer.state_dict() and "mlp.down_proj.weight" not in clone.state_dict()
