@@ -27,6 +27,7 @@ class RiverCache(DynamicCache):
         self.router = router
         self.num_layers = num_layers if num_layers is not None else getattr(router, "num_layers", None)
         self._depth_chunks: list[torch.Tensor] = []  # each [B, T_step]; concatenated lazily
+        self._recorded = 0  # their total length: read by every layer of every step, so kept, not summed
         self.prompt_length = 0  # positions written by the first (prefill) step
         self.strategy: KVStrategy | None = None  # what skipped layers do (set with the router by new_river_cache)
         self.profile = False  # when True, layers add their wall time to `seconds` (costs a clock read per layer)
@@ -42,6 +43,7 @@ class RiverCache(DynamicCache):
         if not self._depth_chunks:
             self.prompt_length = num_tokens
         self._depth_chunks.append(torch.full((batch_size, num_tokens), depth, dtype=torch.long, device=device))
+        self._recorded += num_tokens
 
     @property
     def exit_depth(self) -> torch.Tensor:
@@ -54,7 +56,7 @@ class RiverCache(DynamicCache):
 
     @property
     def recorded_length(self) -> int:
-        return sum(chunk.shape[1] for chunk in self._depth_chunks)
+        return self._recorded
 
     def mean_exit_depth(self, decoded_only: bool = True) -> float:
         """Mean backbone depth over the decoded positions (or all positions). NaN when there are none."""
@@ -120,6 +122,7 @@ class RiverCache(DynamicCache):
     def reset(self) -> None:
         super().reset()
         self._depth_chunks = []
+        self._recorded = 0
         self.prompt_length = 0
 
     def _map_record(self, fn) -> None:
@@ -127,6 +130,7 @@ class RiverCache(DynamicCache):
             self.strategy.before_batch_change()
         if self._depth_chunks:
             self._depth_chunks = [fn(self.exit_depth)]
+            self._recorded = self._depth_chunks[0].shape[1]
 
 
 def _layer_errors(idx: int, layer, expected: int, batch_size: int) -> list[str]:

@@ -44,8 +44,11 @@ def test_repeat_select_crop_reset():
     assert cache.exit_depth.shape == (4, 7)
     cache.batch_select_indices(torch.tensor([0, 3]))
     assert cache.exit_depth.shape == (2, 7)
+    assert cache.recorded_length == 7
     cache.crop(-2)
-    assert cache.exit_depth.shape == (2, 5) and cache.get_seq_length() == 5
+    assert cache.exit_depth.shape == (2, 5) and cache.get_seq_length() == 5 and cache.recorded_length == 5
     cache.check_kv_integrity()
+    cache.record_step(depth=1, batch_size=2, num_tokens=3, device=torch.device("cpu"))
+    assert cache.recorded_length == 8 == cache.exit_depth.shape[1]
     cache.reset()
-    assert cache.exit_depth.numel() == 0 and cache.prompt_length == 0
+    assert cache.exit_depth.numel() == 0 and cache.prompt_length == 0 and cache.recorded_length == 0
