@@ -26,9 +26,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface, PretrainedConfig
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers import PretrainedConfig
 
 PREFIX = "river_rows_"
 BASES = ("sdpa", "eager")
@@ -36,6 +34,7 @@ BASES = ("sdpa", "eager")
 
 def _base_attention(module: nn.Module, base: str):
     if base == "sdpa":
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         return ALL_ATTENTION_FUNCTIONS["sdpa"]
     # eager attention is not in the registry: every HF modeling file defines its own `eager_attention_forward`
     return sys.modules[type(module).__module__].eager_attention_forward
@@ -79,13 +78,14 @@ def _row_views(module, attention_mask, rows: int, total: int, base: str) -> list
 
 
 def register() -> None:
-    """The row-wise attention functions and their masks, under PREFIX + base (once, at import)."""
+    """The row-wise attention functions and their masks, under PREFIX + base. Called by ExactRows, not at import:
+    transformers' attention registry lives in modeling_utils, which `import river_hf` should not load (~0.4 s)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
     for base in BASES:
         AttentionInterface.register(PREFIX + base, functools.partial(rowwise_attention, base=base))
         ALL_MASK_ATTENTION_FUNCTIONS.register(PREFIX + base, ALL_MASK_ATTENTION_FUNCTIONS[base])
-
-
-register()
 
 _BATCH_INVARIANT: dict[tuple, bool] = {}
 
@@ -120,6 +120,7 @@ class ExactRows:
     one-token step would. Built once per lossless call: it finds the attention configs and the linears once."""
 
     def __init__(self, model: nn.Module):
+        register()
         self.configs = _attention_configs(model)
         self.linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.is_floating_point()]
         self._apart: dict[int, list[nn.Linear]] = {}

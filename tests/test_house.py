@@ -109,3 +109,14 @@ def test_no_binary_file_in_git(tmp_path):
     assert not binaries, f"binary files in git (figures are SVG; models and data are built or fetched): {binaries}"
     (tmp_path / "figure.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
     assert is_binary(tmp_path / "figure.png") and not is_binary(root / "README.md")
+
+
+def test_importing_river_hf_does_not_load_transformers_modeling_utils():
+    """`import river_hf` (also what registers the "river" quantization method) stays light: transformers' modeling_utils
+    (~0.3 s of the import on the project's CPUs) loads with the first model, or when lossless verification registers
+    its attention functions (exact_rows.register), not before."""
+    import sys
+    script = "import sys, river_hf; print('transformers.modeling_utils' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "False"
