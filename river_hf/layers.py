@@ -167,7 +167,11 @@ def twin_linears(twin: nn.Module) -> list[RiverQuantLinear]:
 
 def twins_prefill_faster(layers: list[RiverLayer]) -> bool:
     """Whether the twins, summed over their linears, ran a prompt-shaped matmul faster than dense bf16 weights when
-    `backend='fastest'` measured them; True (the paper's sequence-level prompt exit) where nothing was measured."""
+    `backend='fastest'` measured them; True (the paper's sequence-level prompt exit) where nothing was measured. A
+    river built with another backend measured nothing, even where this process timed the same shapes for another
+    river: its prompts exit whatever the machine (what it does must not depend on what ran before it)."""
+    if any(layer.quant_config is None or layer.quant_config.backend != "fastest" for layer in layers):
+        return True
     chosen = dense = 0.0
     for layer in layers:
         for linear in twin_linears(layer.twin) if layer.twin is not None else []:

@@ -42,7 +42,9 @@ def test_pipeline_runs_the_river(saved_tiny_model):
 
 def test_model_generation_config_with_tau_makes_the_river_the_default(saved_tiny_model):
     model = river_hf.build_river(AutoModelForCausalLM.from_pretrained(saved_tiny_model), progress=False)
-    model.generation_config = RiverConfig(tau=-1, exit_signal="cosine", max_new_tokens=4, do_sample=False)
+    # prefill_exit named: "auto" keeps prompts on the backbone where the twins measured slower at prompts (AMX CPUs)
+    model.generation_config = RiverConfig(tau=-1, exit_signal="cosine", prefill_exit="sequence", max_new_tokens=4,
+                                          do_sample=False)
     out = model.generate(torch.tensor([[5, 9, 33]]), return_dict_in_generate=True)
     assert (out.cache.exit_depth == 1).all()
 

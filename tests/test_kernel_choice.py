@@ -100,3 +100,40 @@ def test_the_avx2_dispatch_builds_and_runs_a_correct_river():
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split()[:2] == ["ok", "AVX2"] and int(result.stdout.split()[2]) == 2
+
+
+def test_records_name_the_cpus_instruction_sets_apart_from_torchs_dispatch():
+    """torch reports "AVX512" on an AMX CPU: the description lists the CPU's own flags that kernels turn on."""
+    cpuinfo = ("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile "
+               "amx_bf16 amx_int8 avx512_vnni\n")
+    assert kernel_choice.cpu_features(cpuinfo) == ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile",
+                                                   "amx_bf16", "amx_int8"]
+    assert kernel_choice.cpu_features("flags\t: fpu sse2 avx2 fma\n") == ["avx2"]
+    assert kernel_choice.cpu_features("no flags line here\n") == []
+    described = kernel_choice.cpu_description()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as file:
+            flags = next(line for line in file if line.startswith("flags")).split()
+        assert described["cpu_features"] == [f for f in kernel_choice.ISA_FEATURES if f in flags]
+
+
+def test_a_river_built_with_an_explicit_backend_ignores_other_rivers_prompt_timings(monkeypatch):
+    """This process measured (for a 'fastest' river) that the twins run prompts slower at these shapes, as bf16 GEMMs
+    on AMX do: a river built with backend="auto" measured nothing, so its prompts still exit (the paper's default),
+    whatever ran before it. Where 'fastest' built the river, that measurement decides."""
+    auto = river_hf.build_river(tiny_model(), RiverQuantConfig(nbits=4, start_layer=1, group_size=32, backend="auto"),
+                                progress=False)
+    slower = {}
+    for layer in river_hf.river_layers(auto)[1:]:
+        for linear in twin_linears(layer.twin):
+            key = (linear.out_features, linear.in_features, 4, 32, "cpu", torch.get_num_threads(), None)
+            slower[key] = kernel_choice.KernelChoice(
+                linear.out_features, linear.in_features, 4, 32, "cpu", linear.backend,
+                {linear.backend: 1.0, "dense": 2.0}, {linear.backend: 9.0, "dense": 1.0})
+    monkeypatch.setattr(kernel_choice, "_CHOICES", slower)
+    assert twins_prefill_faster(river_hf.river_layers(auto))
+    assert new_river_cache(auto, RiverConfig(tau=-1).river_settings()).router.settings.prefill_exit == "sequence"
+    fastest = river_hf.build_river(tiny_model(), RiverQuantConfig(nbits=4, start_layer=1, group_size=32,
+                                                                  backend="fastest"), progress=False)
+    assert not twins_prefill_faster(river_hf.river_layers(fastest))  # the injected timings, read by 'fastest'
+    assert new_river_cache(fastest, RiverConfig(tau=-1).river_settings()).router.settings.prefill_exit == "none"

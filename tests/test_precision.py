@@ -55,7 +55,7 @@ def test_schedule_runs_and_tau_minus_one_equals_the_scheduled_full_quantization(
                                                                                 start_layer=2), progress=False)
     assert {idx: {bits for bits, *_ in kernels} for idx, kernels in twin_kernels(model).items()} == {
         2: {8}, 3: {8}, 4: {4}, 5: {4}}
-    out = generate(model, IDS, **RUN, tau=-1)
+    out = generate(model, IDS, **RUN, tau=-1, prefill_exit="sequence")  # named: "auto" follows the machine's timing
     assert (out.cache.exit_depth == 2).all()
     assert torch.equal(out.sequences, generate(plain_copy_with_twins(model), IDS, **RUN).sequences)
     out.cache.check_kv_integrity()
@@ -140,7 +140,7 @@ def test_exited_steps_use_the_quantized_head(arch, head_bits, backend):
     assert isinstance(head, RiverLMHead)
     assert (head.quantized_head.nbits, head.quantized_head.backend) == (head_bits, backend)
     assert head.quantized_head.group_size == (None if head_bits == 8 else 64)
-    out = generate(model, IDS, **RUN, tau=-1)
+    out = generate(model, IDS, **RUN, tau=-1, prefill_exit="sequence")  # named: "auto" follows the machine's timing
     assert (out.cache.exit_depth == 2).all()
     twins_only = generate(with_head(plain_copy_with_twins(model), "base_head"), IDS, **RUN)  # full quant., full head
     assert not all(torch.equal(a, b) for a, b in zip(out.logits, twins_only.logits))
