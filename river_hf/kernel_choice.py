@@ -209,15 +209,30 @@ def _synchronize(x: torch.Tensor) -> None:
         torch.cuda.synchronize(x.device)
 
 
+# The instruction sets a CPU kernel's speed turns on. torch's capability names only its dispatch (an AMX or
+# AVX512_BF16 CPU reports "AVX512", and ATEN_CPU_CAPABILITY=avx2 makes it report "AVX2"), so records name these too.
+ISA_FEATURES = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                "amx_int8")
+
+
+def cpu_features(cpuinfo: str) -> list[str]:
+    """The ISA_FEATURES among the `flags` of a /proc/cpuinfo text, in ISA_FEATURES' order."""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return [feature for feature in ISA_FEATURES if feature in flags]
+
+
 def cpu_description() -> dict:
-    """What a kernel timing depends on: the CPU model, torch's CPU capability, threads."""
-    model = None
+    """What a kernel timing depends on: the CPU model, torch's CPU capability (its dispatch), the CPU's own
+    instruction sets (`cpu_features`; None where /proc/cpuinfo is not readable), threads."""
     try:
         with open("/proc/cpuinfo") as file:
-            model = next((line.split(":", 1)[1].strip() for line in file if line.startswith("model name")), None)
+            cpuinfo = file.read()
     except OSError:
-        pass
+        cpuinfo = None
+    model = None if cpuinfo is None else next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), None)
     return {"cpu_model": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_features": None if cpuinfo is None else cpu_features(cpuinfo),
             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
 
 
