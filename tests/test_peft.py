@@ -339,23 +339,40 @@ def _transformers_accepts_this_peft() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _transformers_accepts_this_peft(), reason="transformers' PEFT integration needs a newer peft")
-def test_transformers_integration_methods(prompt_ids):
+def test_transformers_integration_methods(prompt_ids, monkeypatch, tmp_path):
+    """transformers' own add_adapter / load_adapter / set_adapter / disable_adapters / enable_adapters on a river model. transformers
+    5.24 asks for peft >= 0.22, which the package registry here does not have (0.21.2 is its newest); these methods
+    run on 0.21.2 once that version gate is lowered, so where the installed peft is older, the test lowers it (the
+    methods, not the gate, are what a river must work with)."""
+    if not _transformers_accepts_this_peft():
+        import peft
+        import transformers.integrations.peft as transformers_peft
+        monkeypatch.setattr(transformers_peft, "MIN_PEFT_VERSION", peft.__version__)
     model = tiny_model("llama")
     model.add_adapter(lora_config(), adapter_name="default")
     expected = generate(model, prompt_ids).sequences
     river_of(model)
     assert torch.equal(generate(model, prompt_ids, tau=1.5).sequences, expected)
-    model.add_adapter(lora_config(["q_proj"]), adapter_name="other")  # on the backbone layers only: not the twins
+    # transformers injects the new adapter into the backbone layers only (not the twins) and makes it the active one
+    model.add_adapter(lora_config(["q_proj"]), adapter_name="other")
+    assert model.active_adapters() == ["other"]
+    with pytest.raises(ValueError, match="Rebuild the river"):
+        generate(model, prompt_ids, tau=1.5)
+    model.set_adapter("default")  # the adapter the twins were built for: the river is exact again
     assert torch.equal(generate(model, prompt_ids, tau=1.5).sequences, expected)
-    model.set_adapter("other")
-    with pytest.raises(ValueError, match="rebuild|remove_river"):
-        generate(model, prompt_ids, tau=-1)
-    model.set_adapter("default")
     model.disable_adapters()
     with pytest.raises(ValueError, match="adapters disabled"):
         generate(model, prompt_ids, tau=-1)
     model.enable_adapters()
+    assert torch.equal(generate(model, prompt_ids, tau=1.5).sequences, expected)
+    donor = tiny_model("llama")
+    donor.add_adapter(lora_config(["q_proj"]))
+    donor.save_pretrained(tmp_path)  # a model carrying adapters saves the adapter alone
+    model.load_adapter(str(tmp_path), adapter_name="loaded")  # into the backbone layers; transformers activates it
+    assert model.active_adapters() == ["loaded"]
+    with pytest.raises(ValueError, match="Rebuild the river"):
+        generate(model, prompt_ids, tau=1.5)
+    model.set_adapter("default")
     assert torch.equal(generate(model, prompt_ids, tau=1.5).sequences, expected)
 
 
