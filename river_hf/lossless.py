@@ -158,6 +158,11 @@ class _Decoder:
     def _speculate(self, k: int) -> None:
         started = self.control.clock()
         drafts, draft_probs, depths = self._draft(k)
+        draft_seconds = self.control.clock() - started
+        if self.exact is not None:
+            # once per row count and process: which linears must run row by row is probed here, off the round's
+            # clock (the fallback prices rounds; a one-time probe in a verification made a new draft length look slow)
+            self.exact.linears_apart(len(drafts) + 1)
         drafted = self.control.clock()
         self.cache.crop(-len(drafts))  # the drafted positions: the backbone writes them again
         with backbone_pass(self.cache, len(drafts) + 1, self.ids.device), self._rows(len(drafts) + 1):
@@ -171,7 +176,7 @@ class _Decoder:
         committed = self._commit(tokens, logits, scores, depths[:accepted] + [BACKBONE_CHOSE])
         self.cache.crop(-(len(drafts) + 1 - committed))  # rejected drafts, and any a stopping criterion cut
         self._show_signal(logits[:, committed - 1:committed])
-        self.control.round_done(DraftRound(len(drafts), accepted, committed, drafted - started,
+        self.control.round_done(DraftRound(len(drafts), accepted, committed, draft_seconds,
                                            self.control.clock() - drafted))
 
     def _draft(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
-from river_hf import RiverConfig, RiverSettings
+from river_hf import RiverConfig, RiverSettings, exact_rows
 from river_hf.acceptance import greedy_accept, speculative_accept
 from river_hf.draft_control import BACKBONE_CHOSE, MIN_ROUNDS, PROBE_STEPS
 
@@ -200,6 +200,25 @@ def test_no_fallback_while_drafting_pays(prompt):
     record = out.cache.drafts
     assert torch.equal(out.sequences, reference.sequences)
     assert record.fell_back_at is None and record.plain_steps == PROBE_STEPS and len(record.rounds) > MIN_ROUNDS
+
+
+def test_the_row_probe_is_not_priced_into_a_round(prompt, monkeypatch):
+    """Which linears must run row by row is probed once per row count (exact_rows.batch_invariant, 35-58 ms on
+    SmolLM2). Timed inside a verification it made new draft lengths look slow, and the fallback ended drafting on a
+    machine where it pays: each probe here costs 1000 clock units, and no round may carry them."""
+    model, reference = backbone_and_river("llama", prompt, new_tokens=24)
+    passes, probes = count_calls(model), [0]
+    probe = exact_rows.batch_invariant
+
+    def costly_probe(linear, rows):
+        probes[0] += 1000
+        return probe(linear, rows)
+    monkeypatch.setattr(exact_rows, "batch_invariant", costly_probe)
+    monkeypatch.setattr(exact_rows, "_BATCH_INVARIANT", {})  # probe again, as a fresh process does
+    out = timed_lossless(model, prompt, lambda: passes[0] + probes[0])
+    assert torch.equal(out.sequences, reference.sequences)
+    assert probes[0] > 0 and out.cache.drafts.rounds
+    assert all(r.verify_seconds < 1000 and r.draft_seconds < 1000 for r in out.cache.drafts.rounds)
 
 
 # ---- sampling: the acceptance rule ------------------------------------------------------------------------------
