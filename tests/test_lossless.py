@@ -203,7 +203,7 @@ def test_no_fallback_while_drafting_pays(prompt):
 
 
 def test_the_row_probe_is_not_priced_into_a_round(prompt, monkeypatch):
-    """Which linears must run row by row is probed once per row count (exact_rows.batch_invariant, 35-58 ms on
+    """Which linears must run row by row is probed once per row count (exact_rows.batch_invariant, 35-71 ms on
     SmolLM2). Timed inside a verification it made new draft lengths look slow, and the fallback ended drafting on a
     machine where it pays: each probe here costs 1000 clock units, and no round may carry them."""
     model, reference = backbone_and_river("llama", prompt, new_tokens=24)
