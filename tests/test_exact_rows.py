@@ -102,6 +102,44 @@ def test_the_batch_invariance_probe_is_remembered_per_shape():
     assert len(exact_rows._BATCH_INVARIANT) - before == 1
 
 
+def _linear_that_differs_at(batched_call: int | None, calls: dict):
+    """A batch-invariant F.linear (several rows: one row at a time), except that its `batched_call`-th call with several
+    rows returns one output one ulp off: a kernel whose other summation order moves a rounding only rarely (None:
+    never)."""
+    real = torch.nn.functional.linear
+
+    def linear(x, weight, bias=None):
+        out = torch.cat([real(x[..., r:r + 1, :], weight, bias) for r in range(x.shape[-2])], dim=-2)
+        if x.shape[-2] > 1:
+            calls["batched"] += 1
+            if calls["batched"] == batched_call:
+                out = out.clone()
+                out[..., 0, 0] = torch.nextafter(out[..., 0, 0], torch.tensor(float("inf")))
+        return out
+    return linear
+
+
+def test_the_probe_finds_a_kernel_that_differs_on_a_few_outputs_only(monkeypatch):
+    """A batched kernel that sums in another order differs from one-row calls only where that moves a bf16 rounding
+    (1 output in ~3000 on an AMD EPYC with AVX-512-BF16), so one random input can miss it: the probe tries more."""
+    calls = {"batched": 0}
+    monkeypatch.setattr(exact_rows.F, "linear", _linear_that_differs_at(10, calls))
+    monkeypatch.setattr(exact_rows, "_BATCH_INVARIANT", {})
+    assert not exact_rows.batch_invariant(nn.Linear(64, 96), 4)
+    assert calls["batched"] == 10  # it stops at the first difference
+
+
+def test_the_probe_compares_its_quota_of_outputs_before_calling_a_kernel_invariant(monkeypatch):
+    calls = {"batched": 0}
+    monkeypatch.setattr(exact_rows.F, "linear", _linear_that_differs_at(None, calls))
+    monkeypatch.setattr(exact_rows, "_BATCH_INVARIANT", {})
+    assert exact_rows.batch_invariant(nn.Linear(64, 96), 4)
+    assert calls["batched"] == min(exact_rows.MAX_PROBES, -(-exact_rows.PROBE_OUTPUTS // (4 * 96)))
+    calls["batched"] = 0
+    assert exact_rows.batch_invariant(nn.Linear(64, 4096), 8)  # a wide weight: fewer inputs reach the quota
+    assert calls["batched"] == -(-exact_rows.PROBE_OUTPUTS // (8 * 4096)) < exact_rows.MAX_PROBES
+
+
 def test_exact_verify_must_be_a_bool():
     from river_hf import RiverConfig
     with pytest.raises(ValueError, match="`exact_verify`"):
