@@ -1,12 +1,19 @@
 """Why lossless mode verifies row by row: one backbone pass over k + 1 tokens against k + 1 one-token steps, bit for bit.
 
     python examples/verify_rows.py [--model PATH] [--dtype bfloat16] [--rows 5] [--repeats 15]
+    python examples/verify_rows.py --gsm8k 3 --offsets 0,6,12,18,24,30,36,42,48,54,60,66
+
 
 After one prompt, the same k + 1 tokens are computed (a) as k + 1 one-token steps, as plain generate does, then as
 one pass: (b) batched, as transformers' assisted decoding verifies; (c) with only attention row by row; (d) with only
 the linears row by row; (e) with `river_hf.exact_rows` (lossless mode's default: attention row by row, and the
 linears whose kernel the probe finds not batch-invariant at this shape). Per variant: how many logits and cached
 K/V elements differ from (a), and the pass's median time over `--repeats` (interleaved; time it on a quiet machine).
+
+`--gsm8k N --offsets ...` checks real text instead: the N-th GSM8K prompt (chat template) followed by the model's own
+greedy continuation; at each offset t, the prompt plus t generated tokens is the context and the next `--rows` tokens
+are the rows, and only (b) and (e) are compared (no timing). A kernel that is batch-invariant on most inputs but not
+all shows up here (docs/zen4.md#lossless-mode).
 """
 
 from __future__ import annotations
@@ -35,6 +42,34 @@ def variants(model, rows: int) -> dict:
     return {"one-token steps": None, "one pass, batched": nullcontext, "one pass, attention by row":
             lambda: attention_only.rows(rows), "one pass, linears by row": lambda: linears_only.rows(rows),
             "one pass, river_hf.exact_rows": lambda: exact.rows(rows)}
+
+
+def real_text(model, tokenizer, number: int, offsets: list[int], rows: int) -> dict:
+    """(b) and (e) against one-token steps on the `number`-th GSM8K prompt, at each offset into its continuation."""
+    from river_hf.bench.data import load_prompts
+    from river_hf.models import build_chat_inputs
+
+    prompt_ids = build_chat_inputs(tokenizer, load_prompts(number).prompts[number - 1])["input_ids"]
+    start = prompt_ids.shape[1]
+    with torch.no_grad():
+        text = model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=False,
+                              max_new_tokens=max(offsets) + rows, min_new_tokens=max(offsets) + rows)
+    exact = ExactRows(model)
+    run(model, prompt_ids, text[:, start:start + rows], None)  # warm-up (see main)
+    print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}; threads {torch.get_num_threads()}; "
+          f"{rows} rows; GSM8K prompt {number} ({start} tokens) and its greedy continuation")
+    print("| context tokens | exact_rows: logits differing | K/V differing | batched: logits differing |")
+    print("|---:|---:|---:|---:|")
+    results = {}
+    for offset in offsets:
+        context, tokens = text[:, :start + offset], text[:, start + offset:start + offset + rows]
+        reference = run(model, context, tokens, None)
+        exact_result = differing(reference, run(model, context, tokens, lambda: exact.rows(rows)))
+        batched = differing(reference, run(model, context, tokens, nullcontext))
+        print(f"| {start + offset} | {exact_result['logits_differing']} of {exact_result['logits']} | "
+              f"{exact_result['kv_differing']} | {batched['logits_differing']} |")
+        results[start + offset] = {"exact_rows": exact_result, "batched": batched}
+    return results
 
 
 @torch.no_grad()
@@ -67,8 +102,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--rows", type=int, default=5, help="k + 1: the drafts and the last committed token")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--gsm8k", type=int, default=None, metavar="N", help="check the N-th GSM8K prompt's text")
+    parser.add_argument("--offsets", default="0,6,12", help="with --gsm8k: generated tokens before the rows")
     args = parser.parse_args(argv)
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=getattr(torch, args.dtype))
+    if args.gsm8k is not None:
+        return real_text(model, tokenizer, args.gsm8k, [int(t) for t in args.offsets.split(",")], args.rows)
     prompt_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     tokens = torch.randint(100, min(20000, model.config.vocab_size), (1, args.rows),
                            generator=torch.Generator().manual_seed(0))

@@ -37,6 +37,13 @@ def test_backbone_dtype_example_times_both_dtypes(saved_tiny_model, capsys):
     assert "| bfloat16 |" in capsys.readouterr().out
 
 
+def test_prefill_time_example_times_the_prompts_of_backbone_and_rivers(saved_tiny_model, capsys):
+    results = load_example("prefill_time").main(["--model", str(saved_tiny_model), "--prompts", "1", "--rounds", "1"])
+    assert set(results) == {"backbone", "river, tau=-1 (full quantization)", "river, the defaults"}
+    assert all(seconds > 0 for seconds in results.values())
+    assert "| backbone |" in capsys.readouterr().out
+
+
 @pytest.mark.slow  # torch.compile takes ~10-20 s on 2 cores
 def test_compile_example_times_eager_and_compiled_layer_parts(saved_tiny_model):
     import torch
@@ -82,3 +89,12 @@ def test_verify_rows_example_shows_the_exact_pass_equals_one_token_steps(saved_t
     exact = results["one pass, river_hf.exact_rows"]
     assert exact["logits_differing"] == 0 and exact["kv_differing"] == 0
     assert "| one pass, batched |" in capsys.readouterr().out
+
+
+def test_verify_rows_example_checks_real_text_at_several_offsets(saved_tiny_model, capsys):
+    results = load_example("verify_rows").main(["--model", str(saved_tiny_model), "--dtype", "float32", "--rows",
+                                               "3", "--gsm8k", "2", "--offsets", "0,2"])
+    assert len(results) == 2 and list(results)[1] - list(results)[0] == 2  # context lengths, 2 tokens apart
+    assert all(r["exact_rows"]["logits_differing"] == 0 and r["exact_rows"]["kv_differing"] == 0
+               for r in results.values())
+    assert "| context tokens |" in capsys.readouterr().out
