@@ -4,7 +4,7 @@ and of river `generate` calls on the same model, interleaved after a warm-up, on
     python examples/prefill_time.py                        # 3 prompts x 4 rounds
     python examples/prefill_time.py --rounds 10 --model PATH
 
-The bench's prefill column times one prompt per run, which a noisy machine spreads by ±30%; this times only prompts,
+The bench's prefill column times one prompt per run, which a noisy machine spreads widely; this times only prompts,
 many of them, so the medians can settle issue 10's "never slower than the backbone's prompt, ±5%".
 """
 

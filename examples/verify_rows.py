@@ -3,7 +3,6 @@
     python examples/verify_rows.py [--model PATH] [--dtype bfloat16] [--rows 5] [--repeats 15]
     python examples/verify_rows.py --gsm8k 3 --offsets 0,6,12,18,24,30,36,42,48,54,60,66
 
-
 After one prompt, the same k + 1 tokens are computed (a) as k + 1 one-token steps, as plain generate does, then as
 one pass: (b) batched, as transformers' assisted decoding verifies; (c) with only attention row by row; (d) with only
 the linears row by row; (e) with `river_hf.exact_rows` (lossless mode's default: attention row by row, and the
@@ -105,9 +104,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--gsm8k", type=int, default=None, metavar="N", help="check the N-th GSM8K prompt's text")
     parser.add_argument("--offsets", default="0,6,12", help="with --gsm8k: generated tokens before the rows")
     args = parser.parse_args(argv)
+    if args.gsm8k is not None and args.gsm8k < 1:
+        parser.error(f"--gsm8k {args.gsm8k}: GSM8K prompts are numbered from 1")
+    try:
+        offsets = [int(t) for t in args.offsets.split(",")]
+    except ValueError:
+        parser.error(f"--offsets {args.offsets!r}: give whole numbers separated by commas, e.g. 0,6,12")
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=getattr(torch, args.dtype))
     if args.gsm8k is not None:
-        return real_text(model, tokenizer, args.gsm8k, [int(t) for t in args.offsets.split(",")], args.rows)
+        return real_text(model, tokenizer, args.gsm8k, offsets, args.rows)
     prompt_ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     tokens = torch.randint(100, min(20000, model.config.vocab_size), (1, args.rows),
                            generator=torch.Generator().manual_seed(0))

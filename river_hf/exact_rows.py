@@ -93,8 +93,8 @@ def register() -> None:
 _BATCH_INVARIANT: dict[tuple, bool] = {}
 # Outputs a probe compares before it calls a kernel batch-invariant, and the most probes (random inputs) per shape. A
 # kernel that sums in another order for several rows differs from one-row calls only where the fp32 difference moves
-# a bf16 rounding: on an AMD EPYC with AVX-512-BF16 (no AMX), SmolLM2's 1536 -> 576 linear at 5 rows differed in 1 of
-# ~3000 outputs, so one random input (2880 outputs) said "invariant" and greedy lossless decoding drifted
+# a bf16 rounding: on an AMD EPYC with AVX-512-BF16 (no AMX), SmolLM2's 1536 -> 576 linear at 5 rows differed in ~1 of
+# 8000 outputs, so one random input (2880 outputs) said "invariant" and greedy lossless decoding drifted
 # (docs/zen4.md#lossless-mode).
 PROBE_OUTPUTS = 1 << 18
 MAX_PROBES = 64

@@ -121,7 +121,7 @@ def _linear_that_differs_at(batched_call: int | None, calls: dict):
 
 def test_the_probe_finds_a_kernel_that_differs_on_a_few_outputs_only(monkeypatch):
     """A batched kernel that sums in another order differs from one-row calls only where that moves a bf16 rounding
-    (1 output in ~3000 on an AMD EPYC with AVX-512-BF16), so one random input can miss it: the probe tries more."""
+    (~1 output in 8000 on an AMD EPYC with AVX-512-BF16), so one random input can miss it: the probe tries more."""
     calls = {"batched": 0}
     monkeypatch.setattr(exact_rows.F, "linear", _linear_that_differs_at(10, calls))
     monkeypatch.setattr(exact_rows, "_BATCH_INVARIANT", {})
