@@ -3,12 +3,13 @@
     python examples/load_time.py --folder DIR        # keeps DIR/plain, DIR/river-auto, DIR/river-fastest
     python examples/load_phases.py DIR/river-auto [--loads 3]
 
-Loads the saved river `--loads` times in this one process (the first load is the one a user's fresh process pays;
-the later ones show the steady cost without first-touch effects) and prints, per load, the total and the time in
-each phase: reading and checking the twins file (`read`, of which `load_file` and the stored tensors' digests),
-fingerprinting the backbone weights, the twins' module copies (`make_twin`), unpacking the stored 4-bit codes,
-`from_codes` (of which each kernel's `pack`). Phases nest (`read` holds digests), so they do not add up. Time it on a
-quiet machine.
+Loads the saved river `--loads` times in this one process, with the model's modeling code imported before the
+first (as load_time.py does: the first load is the one a user's fresh process pays; the later ones show the steady
+cost without first-touch effects) and prints, per load, the total and the time in each phase: reading and checking
+the twins file (`read`, of which `load_file` and the stored tensors' `checksum`s), fingerprinting the backbone
+weights (`fingerprint`, of which their `digest`s), the twins' module copies (`make_twin`), unpacking the stored
+4-bit codes, `from_codes` (of which each kernel's `pack`). Phases nest, so they do not add up. Time it on a quiet
+machine.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from river_hf import kernels, quantize, twin_store
 
@@ -45,7 +46,7 @@ def timed(function, label: str):
 def phase_timers():
     """Inside the block river_hf's load phases count into SPENT / CALLS; everything is put back after it."""
     patched = [(twin_store, name, getattr(twin_store, name))
-               for name in ("fingerprint", "digest", "make_twin", "_unpack_codes", "load_file")]
+               for name in ("fingerprint", "digest", "checksum", "make_twin", "_unpack_codes", "load_file")]
     patched += [(twin_store.StoredTwins, "read", twin_store.StoredTwins.__dict__["read"]),
                 (quantize.RiverQuantLinear, "from_codes", quantize.RiverQuantLinear.__dict__["from_codes"])]
     kernels_before = dict(kernels.KERNELS)
@@ -73,6 +74,7 @@ def main(argv=None) -> list[dict]:
         with open(os.path.join(args.folder, name), "rb") as file:
             file.read()
     print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}; threads {torch.get_num_threads()}")
+    AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(args.folder))]  # its modeling code
     loads = []
     with phase_timers():
         for index in range(args.loads):

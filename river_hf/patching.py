@@ -53,12 +53,13 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
     # The head first: it fails fast (no output embedding, not a Linear) before the model is touched.
     stored = read_stored_twins(stored_twins)  # a corrupted file raises here, before the model is touched
     lm_head = _quantized_lm_head(model, quant_config, stored) if quant_config.quantize_lm_head else None
-    from_store = stored.twins(layers, quant_config) if stored is not None else {}
-    wrapped = [RiverLayer(layer, None, layer_idx=idx, num_layers=len(layers), quant_config=quant_config)
-               for idx, layer in enumerate(layers)]
-    for idx in tqdm(range(quant_config.start_layer, len(layers)), desc="river: quantizing twins",
-                    disable=not progress, leave=False):
-        wrapped[idx].twin = from_store[idx] if idx in from_store else _twin(layers[idx], idx, quant_config)
+    from_store = stored.twins(layers, quant_config, progress) if stored is not None else {}
+    wrapped = [RiverLayer(layer, from_store.get(idx), layer_idx=idx, num_layers=len(layers),
+                          quant_config=quant_config) for idx, layer in enumerate(layers)]
+    to_quantize = [idx for idx in range(quant_config.start_layer, len(layers)) if idx not in from_store]
+    for idx in tqdm(to_quantize, desc="river: quantizing twins", disable=not progress or not to_quantize,
+                    leave=False):  # no bar when every twin came from the store: nothing is quantized
+        wrapped[idx].twin = _twin(layers[idx], idx, quant_config)
     for idx, layer in enumerate(wrapped):  # only now, with every twin built: an error above leaves no trace
         layers[idx] = layer
     if lm_head is not None:

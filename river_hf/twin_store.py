@@ -34,6 +34,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+from tqdm.auto import tqdm
 
 from .adapters import stored_linear_name
 from .layers import make_twin, river_layers, twin_linears
@@ -42,7 +43,10 @@ from .quantize import RiverQuantLinear
 
 TWINS_FILE = "river_twins.safetensors"
 METADATA_KEY = "river_twins"
-FORMAT_VERSION = 2  # 2: digests sum 64-bit words (format 1 summed elements; its files are refused, save again)
+# 3: each stored tensor is checked against a checksum (not a digest: the row samples cost more than the sums over the
+# 600+ tensors of a file); 2: digests (still read); 1: digests summed elements (refused: save again)
+FORMAT_VERSION = 3
+READ_FORMATS = (2, 3)
 _SAMPLE_STRIDE = 7919  # a prime: row i is sampled at column (i * 7919) mod K, so every row and column is reached
 _INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -59,25 +63,39 @@ class TwinsMismatchWarning(UserWarning):
 
 
 def digest(tensor: torch.Tensor) -> str:
-    """A cheap, exact identity of a tensor: dtype, shape, the wrap-around sum of its bytes read as 64-bit words
-    (modular integer addition: the same on any device, thread count and summation order, and any single changed
-    element changes exactly one word, so the sum) and a hash of one element per row (a shuffle that keeps the sum
-    does not keep the sample). One read of the tensor at memory speed: summing 64-bit words in numpy is 10-100x
-    faster than widening every bf16 element to int64, which made these checks most of a saved river's load time."""
+    """A cheap, exact identity of a tensor: dtype, shape, its `checksum` and a hash of one element per row (a shuffle
+    that keeps the sum does not keep the sample). One read of the tensor at memory speed."""
     data = tensor.detach()
-    flat = data.contiguous().reshape(-1)
-    nbytes = flat.numel() * flat.element_size()
-    raw = flat.view(torch.uint8) if nbytes else flat.new_empty(0, dtype=torch.uint8)
-    whole = nbytes // 8 * 8  # the tail (< 8 bytes) is summed byte by byte
-    words = _word_sum(raw if whole == nbytes else raw[:whole])
-    tail = int(raw[whole:].sum(dtype=torch.int64)) if whole < nbytes else 0
+    flat, raw = _bytes(data)
     rows = data.shape[0] if data.dim() > 1 else 1
     cols = max(flat.numel() // max(rows, 1), 1)
     row = np.arange(rows if flat.numel() else 0, dtype=np.int64)
-    bits = raw.view(_INT_VIEWS[flat.element_size()]) if nbytes else raw
+    bits = raw.view(_INT_VIEWS[flat.element_size()]) if raw.numel() else raw
     sample = _elements(bits, row * cols + (row * _SAMPLE_STRIDE) % cols)
     sample_hash = hashlib.blake2b(sample.tobytes(), digest_size=8).hexdigest()
-    return f"{str(data.dtype).removeprefix('torch.')}:{list(data.shape)}:{words:016x}.{tail}:{sample_hash}"
+    return f"{str(data.dtype).removeprefix('torch.')}:{list(data.shape)}:{_checksum(raw)}:{sample_hash}"
+
+
+def checksum(tensor: torch.Tensor) -> str:
+    """The wrap-around sum of a tensor's bytes read as 64-bit words, and the byte sum of a tail shorter than 8 bytes
+    (modular integer addition: the same on any device, thread count and summation order; any single changed element
+    changes exactly one word, so the sum). What a stored tensor is checked against: it finds a damaged file, and
+    costs a fraction of `digest` over the hundreds of tensors of a twins file."""
+    return _checksum(_bytes(tensor.detach())[1])
+
+
+def _bytes(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tensor flattened, its bytes as uint8)."""
+    flat = data.contiguous().reshape(-1)
+    nbytes = flat.numel() * flat.element_size()
+    return flat, flat.view(torch.uint8) if nbytes else flat.new_empty(0, dtype=torch.uint8)
+
+
+def _checksum(raw: torch.Tensor) -> str:
+    whole = raw.numel() // 8 * 8  # the tail (< 8 bytes) is summed byte by byte
+    words = _word_sum(raw if whole == raw.numel() else raw[:whole])
+    tail = int(raw[whole:].sum(dtype=torch.int64)) if whole < raw.numel() else 0
+    return f"{words:016x}.{tail}"
 
 
 def _word_sum(raw: torch.Tensor) -> int:
@@ -162,7 +180,7 @@ def save_twins(model: nn.Module, folder: str | os.PathLike) -> str:
         config = layers[-1].quant_config
         record["lm_head"] = {"nbits": config.lm_head_nbits, "group_size": config.lm_head_group_size,
                              "linear": _linear_entry("lm_head", head.quantized_head, tensors)}
-    record["digests"] = {name: digest(tensor) for name, tensor in tensors.items()}
+    record["checksums"] = {name: checksum(tensor) for name, tensor in tensors.items()}
     path = os.path.join(folder, TWINS_FILE)
     handle, partial = tempfile.mkstemp(prefix=".river_twins-", suffix=".partial", dir=folder)
     os.close(handle)
@@ -217,14 +235,16 @@ class StoredTwins:
             record = json.loads(metadata[METADATA_KEY])
         except (SafetensorError, OSError, KeyError, ValueError) as error:
             raise _corrupt(path, f"it cannot be read as a river_hf twins file ({type(error).__name__}: {error})")
-        if not isinstance(record, dict) or record.get("format") != FORMAT_VERSION:
+        if not isinstance(record, dict) or record.get("format") not in READ_FORMATS:
             raise _corrupt(path, f"its format is {record.get('format') if isinstance(record, dict) else None!r}, "
-                           f"this river_hf reads format {FORMAT_VERSION}")
-        digests = record.get("digests", {})
-        bad = sorted(name for name in digests.keys() | tensors.keys()
-                     if name not in tensors or digests.get(name) != digest(tensors[name]))
+                           f"this river_hf reads formats {', '.join(map(str, READ_FORMATS))}")
+        expected, check = (record.get("digests", {}), digest) if record["format"] == 2 else \
+            (record.get("checksums", {}), checksum)
+        bad = sorted(name for name in expected.keys() | tensors.keys()
+                     if name not in tensors or expected.get(name) != check(tensors[name]))
         if bad:
-            raise _corrupt(path, f"{len(bad)} stored tensors do not match their recorded digests ({', '.join(bad[:3])}"
+            raise _corrupt(path, f"{len(bad)} stored tensors do not match their recorded {check.__name__}s "
+                           f"({', '.join(bad[:3])}"
                            f"{', ...' if len(bad) > 3 else ''})")
         return cls(path, record, tensors)
 
@@ -236,11 +256,12 @@ class StoredTwins:
         path = os.path.join(os.path.dirname(str(checkpoint_files[0])), TWINS_FILE)
         return cls.read(path) if os.path.isfile(path) else None
 
-    def twins(self, layers: list[nn.Module], quant_config) -> dict[int, nn.Module]:
+    def twins(self, layers: list[nn.Module], quant_config, progress: bool = True) -> dict[int, nn.Module]:
         """{layer index: twin} for every river layer whose stored twin fits (packed for `quant_config.backend`);
         one TwinsMismatchWarning for the others, which the caller builds with HQQ."""
         built, reasons = {}, {}
-        for idx in range(quant_config.start_layer, len(layers)):
+        for idx in tqdm(range(quant_config.start_layer, len(layers)), desc="river: loading stored twins",
+                        disable=not progress, leave=False):
             try:
                 built[idx] = self._twin(layers[idx], idx, quant_config)
             except _Mismatch as mismatch:

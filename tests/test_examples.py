@@ -75,7 +75,7 @@ def test_load_phases_example_times_the_phases_and_puts_everything_back(saved_tin
     river.save_pretrained(tmp_path / "river")  # twins stored (loaded with a RiverQuantConfig)
     before = (twin_store.digest, twin_store.StoredTwins.__dict__["read"], dict(kernels.KERNELS))
     [load] = load_example("load_phases").main([str(tmp_path / "river"), "--loads", "1"])
-    assert {"read", "digest", "fingerprint", "from_codes", "make_twin"} <= load["phases"].keys()
+    assert {"read", "checksum", "digest", "fingerprint", "from_codes", "make_twin"} <= load["phases"].keys()
     assert any(label.startswith("pack ") for label in load["phases"])
     assert 0 < load["phases"]["read"][0] < load["total_s"]
     assert (twin_store.digest, twin_store.StoredTwins.__dict__["read"], dict(kernels.KERNELS)) == before
@@ -98,3 +98,19 @@ def test_verify_rows_example_checks_real_text_at_several_offsets(saved_tiny_mode
     assert all(r["exact_rows"]["logits_differing"] == 0 and r["exact_rows"]["kv_differing"] == 0
                for r in results.values())
     assert "| context tokens |" in capsys.readouterr().out
+
+
+def test_load_ab_compares_two_checkouts_in_fresh_processes(tmp_path):
+    """The same checkout as both sides: three systems, one load time each, each load in a child that imported
+    river_hf from the checkout it was given."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_model
+    from river_hf import RiverQuantConfig
+    load_ab = load_example("load_ab")
+    plain, river = str(tmp_path / "plain"), str(tmp_path / "river")
+    tiny_model("llama").save_pretrained(plain)
+    AutoModelForCausalLM.from_pretrained(plain, quantization_config=RiverQuantConfig(
+        backend="auto", nbits=4, group_size=64, start_layer=2, quantize_lm_head=False)).save_pretrained(river)
+    seconds = load_ab.main([plain, river, load_ab.HERE, river, "--loads", "1"])
+    assert list(seconds) == ["plain", "old code", "this code"] and all(len(v) == 1 and v[0] > 0 for v in seconds.values())

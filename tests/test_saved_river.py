@@ -301,12 +301,12 @@ def test_a_safetensors_file_without_river_metadata_is_refused(tmp_path):
 
 def test_twins_are_read_outside_the_loaders_meta_device_context(tmp_path, monkeypatch):
     """from_pretrained reads the twins inside transformers' meta-device mode: the read sets it aside (speed: no
-    torch function mode on the 600+ digests of a real model), and the tensors it returns are real CPU tensors."""
+    torch function mode on the 600+ checksums of a real model), and the tensors it returns are real CPU tensors."""
     _, folder = saved_river(tmp_path)
     modes = []
-    real_digest = river_hf.twin_store.digest
-    monkeypatch.setattr(river_hf.twin_store, "digest", lambda tensor: modes.append(
-        torch._C._is_torch_function_mode_enabled()) or real_digest(tensor))
+    real_checksum = river_hf.twin_store.checksum
+    monkeypatch.setattr(river_hf.twin_store, "checksum", lambda tensor: modes.append(
+        torch._C._is_torch_function_mode_enabled()) or real_checksum(tensor))
     with torch.device("meta"):
         assert torch.empty(1).is_meta and torch._C._is_torch_function_mode_enabled()
         stored = river_hf.twin_store.StoredTwins.read(folder)
