@@ -6,8 +6,9 @@
 
 OLD_FOLDER: the same river saved in the format the old checkout reads (a copy of DIR/river-fastest re-saved by the
 old code, or the same folder when the format did not change). Each round loads the plain model, the old checkout's
-river and this checkout's river, each in its own process (imports and the model's modeling code before the clock, as
-load_time.py does), so both codes see the same machine state; a VM that drifts between runs moves both.
+river and this checkout's river, each in its own process (load_time.py's child load: imports and the model's
+modeling code before the clock, HQQ refused in a saved load), so both codes see the same machine state; a VM that
+drifts between runs moves both.
 """
 
 from __future__ import annotations
@@ -15,30 +16,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from load_time import run_child  # noqa: E402  (the same child load, HQQ refused for saved rivers)
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHILD = """
-import sys, time, torch
-sys.path.insert(0, sys.argv[2])
-from transformers import AutoConfig, AutoModelForCausalLM
-import river_hf
-assert river_hf.__file__.startswith(sys.argv[2]), river_hf.__file__
-AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(sys.argv[1]))]
-started = time.perf_counter()
-AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
-print(time.perf_counter() - started)
-"""
 
 
 def load_seconds(folder: str, code: str) -> float:
-    result = subprocess.run([sys.executable, "-c", CHILD, os.path.abspath(folder), os.path.abspath(code)],
-                            capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"}, cwd="/",
-                            check=False)
-    if result.returncode:
-        raise RuntimeError(f"loading {folder} with {code} failed:\n{result.stderr[-2000:]}")
-    return float(result.stdout.strip().splitlines()[-1])
+    """One load of `folder` in a fresh process importing river_hf from the checkout `code`."""
+    kind = "saved" if os.path.isfile(os.path.join(folder, "river_twins.safetensors")) else "plain"
+    return run_child([kind, os.path.abspath(folder), "fastest"], code=code)
 
 
 def main(argv=None) -> dict:

@@ -45,8 +45,10 @@ def timed(function, label: str):
 @contextlib.contextmanager
 def phase_timers():
     """Inside the block river_hf's load phases count into SPENT / CALLS; everything is put back after it."""
+    # hasattr: an older river_hf (PYTHONPATH=OLD_CHECKOUT, to time it the same way) may lack a phase
     patched = [(twin_store, name, getattr(twin_store, name))
-               for name in ("fingerprint", "digest", "checksum", "make_twin", "_unpack_codes", "load_file")]
+               for name in ("fingerprint", "digest", "checksum", "make_twin", "_unpack_codes", "load_file")
+               if hasattr(twin_store, name)]
     patched += [(twin_store.StoredTwins, "read", twin_store.StoredTwins.__dict__["read"]),
                 (quantize.RiverQuantLinear, "from_codes", quantize.RiverQuantLinear.__dict__["from_codes"])]
     kernels_before = dict(kernels.KERNELS)

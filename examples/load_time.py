@@ -101,16 +101,22 @@ def child(kind: str, folder: str, backend: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     seconds = time.perf_counter() - started
     assert river_hf.is_river(model) == (kind != "plain")
-    print(json.dumps({"seconds": seconds}))
+    print(json.dumps({"seconds": seconds, "river_hf": os.path.abspath(river_hf.__file__)}))
 
 
-def run_child(arguments: list[str]) -> float:
+def run_child(arguments: list[str], code: str | None = None) -> float:
+    """One child load's seconds. `code`: a river_hf checkout to import instead of the installed one (load_ab.py)."""
     env = {**os.environ, "TQDM_DISABLE": "1"}
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(code), env.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, __file__, "--child", *arguments], capture_output=True, text=True,
                             env=env, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"load {arguments} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])["seconds"]
+    reply = json.loads(result.stdout.strip().splitlines()[-1])
+    if code is not None and not reply["river_hf"].startswith(os.path.abspath(code)):
+        raise RuntimeError(f"the child imported {reply['river_hf']}, not the checkout {code}")
+    return reply["seconds"]
 
 
 def main(argv=None) -> dict:

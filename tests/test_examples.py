@@ -102,15 +102,16 @@ def test_verify_rows_example_checks_real_text_at_several_offsets(saved_tiny_mode
 
 def test_load_ab_compares_two_checkouts_in_fresh_processes(tmp_path):
     """The same checkout as both sides: three systems, one load time each, each load in a child that imported
-    river_hf from the checkout it was given."""
+    river_hf from the checkout it was given (a saved load that ran HQQ would fail)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from conftest import tiny_model
     from river_hf import RiverQuantConfig
     load_ab = load_example("load_ab")
     plain, river = str(tmp_path / "plain"), str(tmp_path / "river")
-    tiny_model("llama").save_pretrained(plain)
-    AutoModelForCausalLM.from_pretrained(plain, quantization_config=RiverQuantConfig(
+    tiny_model("llama").to(torch.bfloat16).save_pretrained(plain)  # the child loads in bf16: twins must fit it
+    AutoModelForCausalLM.from_pretrained(plain, dtype=torch.bfloat16, quantization_config=RiverQuantConfig(
         backend="auto", nbits=4, group_size=64, start_layer=2, quantize_lm_head=False)).save_pretrained(river)
     seconds = load_ab.main([plain, river, load_ab.HERE, river, "--loads", "1"])
     assert list(seconds) == ["plain", "old code", "this code"] and all(len(v) == 1 and v[0] > 0 for v in seconds.values())
