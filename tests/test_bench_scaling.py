@@ -149,3 +149,24 @@ def test_scaling_plot_keeps_random_routing_of_each_twin_build_apart():
     assert _line(record, random_system) == "random p=0.5 (4-bit twins)"
     assert _line(w8a8, random_system) == "random p=0.5 (8-bit W8A8 twins)"
     assert _line(w8a8, {"name": "static 8-bit W8A8", "kind": "static-full-quant"}) == "static 8-bit W8A8"
+
+
+def test_scaling_panels_tell_amx_from_no_amx(scaling_run):
+    """Two Xeons share model name and torch dispatch ("AVX512") but not kernel speed: the CPU's AMX flag splits them
+    into panels; a record that lists no flags (older records) keeps the name-and-dispatch panel."""
+    from river_hf.bench.plots import scaling_figure
+
+    record = scaling_run[0]
+
+    def on(features):
+        env = {**record["environment"], "cpu_model": "Intel(R) Xeon(R) Processor", "cpu_capability": "AVX512",
+               "cpu_features": features}
+        return dict(record, environment=env)
+
+    figure = scaling_figure([on(["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]), on(["avx512f", "avx512_bf16"]),
+                             on(None)])
+    threads = record["environment"]["torch_threads"]
+    assert {ax.get_title() for ax in figure.axes} == {
+        f"Intel(R) Xeon(R) Processor: AVX512, AMX, {threads} threads",
+        f"Intel(R) Xeon(R) Processor: AVX512, no AMX, {threads} threads",
+        f"Intel(R) Xeon(R) Processor: AVX512, {threads} threads"}

@@ -231,7 +231,8 @@ def scaling_figure(records: list[dict]) -> Figure:
             ax.plot(xs, [sm["speed_ratio"] for _, sm in points], marker="o", color=color, label=name)
             limits = [sm.get("byte_ratio") for _, sm in points]
             if all(limit is not None for limit in limits):
-                ax.plot(xs, limits, linestyle="--", color=color, alpha=0.7)
+                # marker: a panel with one model size still shows its byte limit
+                ax.plot(xs, limits, linestyle="--", marker="_", markersize=12, color=color, alpha=0.7)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xscale("log")
         ax.set_xlabel("parameters (random-initialised Llama shapes)")
@@ -257,6 +258,10 @@ def _parameters(record: dict) -> float:
 
 
 def _machine(record: dict) -> str:
+    """A panel per machine kind: CPU model, torch's dispatch and, where the record lists the CPU's flags, whether it
+    has AMX (an Intel Xeon with AMX and one without share model name and dispatch, "AVX512", not kernel speed)."""
     env = record["environment"]
-    return (f"{env.get('cpu_model') or 'unknown CPU'}: {env.get('cpu_capability') or '?'}, "
+    features = env.get("cpu_features")
+    amx = "" if not features else (", AMX" if any(f.startswith("amx") for f in features) else ", no AMX")
+    return (f"{env.get('cpu_model') or 'unknown CPU'}: {env.get('cpu_capability') or '?'}{amx}, "
             f"{env.get('torch_threads')} threads")
