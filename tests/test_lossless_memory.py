@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from river_hf import RiverConfig
+from river_hf import RiverConfig, river_layers
 from river_hf.draft_control import MAX_SKIPPED_CALLS, FallbackMemory, DraftRecord
 
 from conftest import count_calls, generate, river_of, tiny_model
@@ -28,9 +28,10 @@ def timed_call(model, ids, clock, k=4, fallback=True):
 
 
 def slow_drafts(model):
-    """A clock where every forward pass costs one unit: drafting never pays (the fallback engages)."""
-    passes = count_calls(model)
-    return lambda: passes[0]
+    """A clock where every forward pass costs one unit and a draft pass (the last layer's twin runs) one more:
+    drafting never pays, even with every draft kept (the fallback engages)."""
+    passes, draft_passes = count_calls(model), count_calls(river_layers(model)[-1].twin)
+    return lambda: passes[0] + draft_passes[0]
 
 
 def test_after_a_fallback_the_next_calls_skip_drafting_then_probe_again(prompt):
