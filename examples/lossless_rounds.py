@@ -5,8 +5,8 @@
 Lossless generate with the fallback off (`draft_fallback=False`, so every round drafts), on GSM8K test prompts with
 the chat template, the packaged SmolLM2 by default. Per round: (draft seconds + verification seconds) / tokens the
 round appended, divided by t_plain (the mean of the lossless mode's own 3 plain probe steps, timed on the same
-prompt just before). Printed per k: the mean of that ratio, its relative spread (sd / mean) across the rounds of all prompts,
-and how often the first 2 and 3 rounds of a call, pooled as the rule pools them, looked dearer than a plain step
+prompt just before). Printed per k: the mean of that ratio, its relative spread (sd / mean) across the rounds of all
+prompts, and how often the first 2 and 3 rounds of a call, pooled as the rule pools them, looked dearer than a plain step
 although the whole call was cheaper: the false alarms a margin-free rule would act on. Time it on a quiet machine.
 """
 
@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from river_hf import RiverConfig, RiverQuantConfig, build_river
+from river_hf import RiverConfig, RiverQuantConfig, build_river, river_layers
 from river_hf.bench.data import load_prompts
 from river_hf.commands.common import nbits_arg
 from river_hf.draft_control import PROBE_STEPS
@@ -27,6 +27,8 @@ from river_hf.models import build_chat_inputs, load_model_and_tokenizer
 def plain_step_seconds(model, inputs: dict) -> float:
     """t_plain as the fallback rule measures it: the lossless mode's own plain backbone steps that open a call (a
     call of 1 + PROBE_STEPS tokens is only those), their mean."""
+    # a fresh river's fallback memory: otherwise the call reuses the t_plain an earlier call measured, taking no steps
+    vars(river_layers(model)[0]).pop("lossless_fallbacks", None)
     config = RiverConfig(tau=0.3, exit_signal="confidence", lossless=True, max_new_tokens=1 + PROBE_STEPS,
                          min_new_tokens=1 + PROBE_STEPS, return_dict_in_generate=True)
     record = model.generate(**inputs, generation_config=config).cache.drafts

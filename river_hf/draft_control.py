@@ -63,6 +63,7 @@ class DraftRecord:
     plain_seconds: float = 0.0
     fell_back_at: int | None = None  # generated tokens when the fallback engaged; None: it never did
     fallback_remembered: bool = False  # earlier calls fell back (FallbackMemory): this one decoded plainly throughout
+    plain_step_remembered: bool = False  # t_plain came from an earlier call (FallbackMemory): no probe steps here
 
     @property
     def drafted(self) -> int:
@@ -94,7 +95,8 @@ class DraftRecord:
                 "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
                 "backbone_passes": self.backbone_passes, "tokens_per_backbone_pass": self.tokens_per_backbone_pass,
                 "plain_steps": self.plain_steps, "fell_back_at": self.fell_back_at,
-                "fallback_remembered": self.fallback_remembered, "draft_seconds": draft_s,
+                "fallback_remembered": self.fallback_remembered,
+                "plain_step_remembered": self.plain_step_remembered, "draft_seconds": draft_s,
                 "verify_seconds": sum(r.verify_seconds for r in self.rounds), "rejected_draft_seconds": rejected_s,
                 "plain_seconds": self.plain_seconds}
 
@@ -107,10 +109,16 @@ class FallbackMemory:
     PROBE_STEPS + MIN_ROUNDS measured steps (about 14 tokens of SmolLM2 on AVX2: most of the lossless mode's 4.5%
     loss there). So after a call falls back, the next 1, 2, 4, ... (at most MAX_SKIPPED_CALLS) calls in a row decode
     on the plain backbone from their first step, and then one call probes again (acceptance depends on the text, so
-    no verdict is final). A call whose drafting paid resets it."""
+    no verdict is final). A call whose drafting paid resets it.
+
+    It also keeps t_plain, the plain step time a call measured with its PROBE_STEPS steps, while drafting pays: the
+    next calls with the same setting draft from their first step against it (the probe steps cost ~3% of a 128-token
+    call on the AMX Xeon, docs/avx512.md#the-fallbacks-margin). A fallback forgets it, so the call that probes again
+    times the backbone afresh."""
 
     fallbacks_in_a_row: int = 0
     calls_to_skip: int = 0
+    plain_step_seconds: float | None = None
 
     def skips_next_call(self) -> bool:
         if self.calls_to_skip <= 0:
@@ -118,12 +126,16 @@ class FallbackMemory:
         self.calls_to_skip -= 1
         return True
 
-    def call_done(self, record: DraftRecord) -> None:
+    def call_done(self, record: DraftRecord, measured_plain_step: float | None) -> None:
+        """`measured_plain_step`: the t_plain this call timed itself (None: it used the remembered one)."""
         if record.fell_back_at is None:
             self.fallbacks_in_a_row = self.calls_to_skip = 0
+            if measured_plain_step is not None:
+                self.plain_step_seconds = measured_plain_step
         else:
             self.fallbacks_in_a_row += 1
             self.calls_to_skip = min(2 ** (self.fallbacks_in_a_row - 1), MAX_SKIPPED_CALLS)
+            self.plain_step_seconds = None
 
 
 class DraftControl:
@@ -140,18 +152,27 @@ class DraftControl:
         self.clock = clock
         self.plain_times: list[float] = []  # seconds of each plain step
         self.memory = memory if fallback else None
+        self.remembered_plain_step = None if self.memory is None else self.memory.plain_step_seconds
+        record.plain_step_remembered = self.remembered_plain_step is not None
         if self.memory is not None and self.memory.skips_next_call():
             record.fell_back_at, record.fallback_remembered = 0, True
 
     def call_done(self) -> None:
         """Tell the memory what this call measured (a call that only obeyed it measured nothing)."""
         if self.memory is not None and not self.record.fallback_remembered:
-            self.memory.call_done(self.record)
+            measured = self.t_plain() if self.remembered_plain_step is None and self.plain_times else None
+            self.memory.call_done(self.record, measured)
+
+    def t_plain(self) -> float | None:
+        """A plain backbone step's seconds: remembered from an earlier call, else the median of this call's probe."""
+        if self.remembered_plain_step is not None:
+            return self.remembered_plain_step
+        return statistics.median(self.plain_times[:PROBE_STEPS]) if self.plain_times else None
 
     def draft_length(self, budget: int) -> int:
         """Tokens to draft next, given that at most `budget` tokens may still be generated (a round appends up to
         drafts + 1); 0 = take a plain backbone step."""
-        probing = self.fallback and len(self.plain_times) < PROBE_STEPS
+        probing = self.fallback and self.remembered_plain_step is None and len(self.plain_times) < PROBE_STEPS
         if probing or self.record.fell_back_at is not None:
             return 0
         return max(0, min(self.length, budget - 1))
@@ -172,10 +193,9 @@ class DraftControl:
     def drafting_pays(self) -> bool:
         """The fallback rule (module docstring): after MIN_ROUNDS rounds, drafting pays while the machine could make
         it pay (every draft kept) and this text's rounds cost at most t_plain per token, give or take the margin."""
-        rounds = self.record.rounds
-        if len(rounds) < MIN_ROUNDS or not self.plain_times:
+        rounds, t_plain = self.record.rounds, self.t_plain()
+        if len(rounds) < MIN_ROUNDS or t_plain is None:
             return True
-        t_plain = statistics.median(self.plain_times)
         seconds = sum(r.draft_seconds + r.verify_seconds for r in rounds)
         every_draft_kept = seconds / sum(r.drafted + 1 for r in rounds)
         yielded = seconds / max(sum(r.committed for r in rounds), 1)

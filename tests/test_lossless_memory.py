@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from river_hf import RiverConfig, river_layers
-from river_hf.draft_control import MAX_SKIPPED_CALLS, FallbackMemory, DraftRecord
+from river_hf.draft_control import BACKBONE_CHOSE, MAX_SKIPPED_CALLS, PROBE_STEPS, DraftRecord, FallbackMemory
 
 from conftest import count_calls, generate, river_of, tiny_model
 
@@ -74,10 +74,41 @@ def test_skips_grow_to_a_bound_and_reset_when_drafting_pays():
     memory, fell_back, paid = FallbackMemory(), DraftRecord(num_layers=4, fell_back_at=3), DraftRecord(num_layers=4)
     skipped = []
     for _ in range(8):
-        memory.call_done(fell_back)
+        memory.call_done(fell_back, 0.5)
         skipped.append(memory.calls_to_skip)
         while memory.skips_next_call():
             pass
     assert skipped == [1, 2, 4, 8, 16, 16, 16, 16] and MAX_SKIPPED_CALLS == 16
-    memory.call_done(paid)
-    assert not memory.skips_next_call() and memory.fallbacks_in_a_row == 0
+    assert memory.plain_step_seconds is None  # a call that fell back leaves no t_plain to reuse
+    memory.call_done(paid, 0.5)
+    assert not memory.skips_next_call() and memory.fallbacks_in_a_row == 0 and memory.plain_step_seconds == 0.5
+    memory.call_done(paid, None)  # a call that reused it measured none: the remembered one stays
+    assert memory.plain_step_seconds == 0.5
+
+
+def test_after_a_call_whose_drafting_paid_the_next_drafts_from_its_first_step(prompt):
+    """t_plain is remembered with the verdict: the second call takes no probe steps, and its output is still the
+    backbone's; a call with another setting probes for itself."""
+    backbone = tiny_model("llama")
+    reference = generate(backbone, prompt, max_new_tokens=NEW).sequences
+    model = river_of(backbone)
+    backbone_passes = count_calls(model.model.layers[-1].base_layer)  # drafts that exit early cost nothing
+    first, second = (timed_call(model, prompt, lambda: backbone_passes[0]) for _ in range(2))
+    assert first.cache.drafts.plain_steps == PROBE_STEPS and not first.cache.drafts.plain_step_remembered
+    record = second.cache.drafts
+    assert record.plain_step_remembered and record.rounds and record.fell_back_at is None
+    assert record.draft_depth[1] != BACKBONE_CHOSE  # the token after the prompt's was drafted, not a probe step
+    assert torch.equal(first.sequences, reference) and torch.equal(second.sequences, reference)
+    assert not timed_call(model, prompt, lambda: backbone_passes[0], k=2).cache.drafts.plain_step_remembered
+
+
+def test_a_fallback_forgets_t_plain_so_the_next_probe_times_the_backbone_again(prompt):
+    model = river_of(tiny_model("llama"))
+    backbone_passes = count_calls(model.model.layers[-1].base_layer)
+    timed_call(model, prompt, lambda: backbone_passes[0])  # drafting pays: t_plain remembered
+    slow = slow_drafts(model)
+    record = timed_call(model, prompt, slow).cache.drafts  # now it does not: falls back
+    assert record.plain_step_remembered and record.fell_back_at is not None
+    assert timed_call(model, prompt, slow).cache.drafts.fallback_remembered  # the next call obeys the verdict
+    record = timed_call(model, prompt, slow).cache.drafts  # then one probes again, timing the backbone afresh
+    assert not record.plain_step_remembered and record.plain_steps >= PROBE_STEPS
