@@ -4,7 +4,8 @@ One `DraftControl` lives for one lossless `generate` call. It times every decode
 tests pass a fake one) and keeps the call's `DraftRecord`.
 
 The fallback rule (docs/lossless.md): the first `PROBE_STEPS` decode steps run on the plain backbone, and their
-median time is the backbone's cost per token, t_plain. Then the call drafts: each round costs its draft passes plus
+median time is the backbone's cost per token, t_plain (later calls of the same setting reuse a paying call's t_plain:
+`FallbackMemory`). Then the call drafts: each round costs its draft passes plus
 one verification pass and yields the kept drafts plus one backbone token. After at least `MIN_ROUNDS` rounds,
 drafting stops for the rest of the call (plain backbone steps) as soon as either test fails:
 - the machine: the rounds so far, had every draft been kept, would cost more than t_plain (+ TOLERANCE) per token.
