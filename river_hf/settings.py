@@ -66,9 +66,10 @@ class RiverSettings:
         "the backbone verifies them in one forward pass and keeps the longest agreeing prefix plus its own next "
         "token, in the one RiverCache. Greedy output equals the backbone's bit for bit (see `exact_verify`); "
         "sampling follows the backbone's distribution (speculative sampling). Batch size 1, kv_strategy 'river'.")})
-    num_draft_tokens: int | str = field(default=4, metadata={"help": (
+    num_draft_tokens: int | str = field(default=8, metadata={"help": (
         "lossless only: tokens the river drafts per verification, an int >= 1, or 'heuristic' (start at 4; +2 after "
-        "a fully accepted draft, -1 otherwise, as transformers' num_assistant_tokens_schedule='heuristic').")})
+        "a fully accepted draft, -1 otherwise, as transformers' num_assistant_tokens_schedule='heuristic'). Default "
+        "8: at least as fast as 4 wherever drafting paid (docs/lossless.md#the-draft-length).")})
     draft_fallback: bool = field(default=True, metadata={"help": (
         "lossless only: measure drafting's cost per token during the call and decode on the plain backbone for the "
         "rest of it once drafting is slower than the backbone's own steps (docs/lossless.md, 'The fallback').")})

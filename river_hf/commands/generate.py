@@ -40,8 +40,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--show-exits", action="store_true",
                         help="Afterwards, print the answer again with each token coloured by its exit depth "
                              "(set NO_COLOR for plain text with the depth after each token).")
-    parser.add_argument("--lossless", nargs="?", const=4, default=None, type=draft_length_arg, metavar="K",
-                        help="Lossless mode: the river drafts K tokens (default 4; 'heuristic' adapts K), the "
+    parser.add_argument("--lossless", nargs="?", const=8, default=None, type=draft_length_arg, metavar="K",
+                        help="Lossless mode: the river drafts K tokens (default 8; 'heuristic' adapts K), the "
                              "backbone verifies them, so the answer is the backbone's own; it falls back to plain "
                              "decoding where drafting does not pay (docs/lossless.md).")
     common.add_model_args(parser)
