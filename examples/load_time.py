@@ -1,15 +1,21 @@
 """How long loading takes: the plain model, today's re-quantizing river load, and a saved river (twins stored).
 
-    python examples/load_time.py [--repeats 5] [--folder DIR] [--model PATH]
+    python examples/load_time.py [--repeats 5] [--folder DIR] [--model PATH] [--saved-only]
 
 The packaged SmolLM2-135M-Instruct is saved once as a plain safetensors folder (like for like: every system reads
 the same bf16 checkpoint), and once as a river with its twins (`save_pretrained`, twins stored by default for a
 model loaded with `quantization_config`). Then each load runs in a fresh subprocess (nothing cached in memory
 between loads; imports not counted, transformers' modeling code for the model included), the systems interleaved
-round after round, and the median per system is reported with its ratio to the plain load. The saved loads run with HQQ disabled, so they prove they quantize
-nothing. Both kernel choices are shown: `backend="fastest"` (the default: times the kernels per layer shape at
-load, once per machine: later loads read the remembered choices; the first load on a machine is shown apart) and
+round after round, and the median per system is reported with its ratio to the plain load. The saved loads run with
+HQQ disabled, so they prove they quantize nothing. Both kernel choices are shown: `backend="fastest"` (the default:
+times the kernels per layer shape at load, once per machine: later loads read the remembered choices; the first load
+on a machine is shown apart) and
 `backend="auto"` (the device's preferred kernel, no timing).
+
+Each child then times one forward pass over a 32-token prompt, the first thing generate does: a plain load maps the
+checkpoint and touches none of its weights (their pages fault in during that first pass), while a saved river's
+load reads every backbone weight it fingerprints, so "load + first pass" compares what a user waits for before the
+first token. `--saved-only` leaves out the re-quantizing loads (about 20 s each).
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ def prepare(folder: str, model_path: str | None) -> dict:
     save_seconds = time.perf_counter() - started
     for backend in BACKENDS[1:]:
         target = os.path.join(folder, f"river-{backend}")
-        shutil.copytree(os.path.join(folder, f"river-{BACKENDS[0]}"), target)
+        shutil.copytree(os.path.join(folder, f"river-{BACKENDS[0]}"), target, dirs_exist_ok=True)  # a rerun in DIR
         config_path = os.path.join(target, "config.json")
         with open(config_path) as file:
             config = json.load(file)
@@ -101,11 +107,19 @@ def child(kind: str, folder: str, backend: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     seconds = time.perf_counter() - started
     assert river_hf.is_river(model) == (kind != "plain")
-    print(json.dumps({"seconds": seconds, "river_hf": os.path.abspath(river_hf.__file__)}))
+    with torch.no_grad():  # no RiverCache: every layer runs its backbone layer, as a prompt's pass does
+        model(input_ids=torch.arange(100, 132)[None])
+    print(json.dumps({"seconds": seconds, "with_first_pass_seconds": time.perf_counter() - started,
+                      "river_hf": os.path.abspath(river_hf.__file__)}))
 
 
 def run_child(arguments: list[str], code: str | None = None) -> float:
     """One child load's seconds. `code`: a river_hf checkout to import instead of the installed one (load_ab.py)."""
+    return child_reply(arguments, code)["seconds"]
+
+
+def child_reply(arguments: list[str], code: str | None = None) -> dict:
+    """One child load: {"seconds": the load, "with_first_pass_seconds": the load and one forward pass, ...}."""
     env = {**os.environ, "TQDM_DISABLE": "1"}
     if code is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(code), env.get("PYTHONPATH")]))
@@ -116,7 +130,7 @@ def run_child(arguments: list[str], code: str | None = None) -> float:
     reply = json.loads(result.stdout.strip().splitlines()[-1])
     if code is not None and not reply["river_hf"].startswith(os.path.abspath(code)):
         raise RuntimeError(f"the child imported {reply['river_hf']}, not the checkout {code}")
-    return reply["seconds"]
+    return reply
 
 
 def main(argv=None) -> dict:
@@ -124,6 +138,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", default=None, help="A hub id or local path (default: the packaged SmolLM2).")
     parser.add_argument("--folder", default=None, help="work folder (default: a temporary one, removed after)")
+    parser.add_argument("--saved-only", action="store_true", help="leave out the re-quantizing loads")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -139,12 +154,14 @@ def main(argv=None) -> dict:
     try:
         info = prepare(folder, args.model)
         entries = systems(folder)
+        if args.saved_only:
+            entries = {name: entry for name, entry in entries.items() if entry[0] != "quantize"}
         run_child(entries["plain model"])  # warm-up: the page cache holds the files for every system alike
-        times: dict[str, list[float]] = {name: [] for name in entries}
+        replies: dict[str, list[dict]] = {name: [] for name in entries}
         for round_ in range(args.repeats):
             names = list(entries)
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:  # rotate: no fixed first slot
-                times[name].append(run_child(entries[name]))
+                replies[name].append(child_reply(entries[name]))
     finally:
         if user_cache is None:
             os.environ.pop(CACHE_ENV)
@@ -160,13 +177,17 @@ def main(argv=None) -> dict:
           f"{twins}; {args.repeats} loads per system, each in its own process")
     print(f"save_pretrained with twins: {info['save_with_twins_s']:.1f} s; model.safetensors "
           f"{info['weights_file_mib']:.0f} MiB, river_twins.safetensors {info['twins_file_mib']:.0f} MiB\n")
-    plain = statistics.median(times["plain model"])
-    print("| load | median s | min-max s | vs plain |\n|---|---:|---:|---:|")
     table = {}
-    for name, values in times.items():
-        table[name] = {"median_s": statistics.median(values), "vs_plain": statistics.median(values) / plain}
-        print(f"| {name} | {table[name]['median_s']:.2f} | {min(values):.2f}-{max(values):.2f} | "
-              f"{table[name]['vs_plain']:.2f}x |")
+    for field, what in (("seconds", "load"), ("with_first_pass_seconds", "load + first forward pass (32 tokens)")):
+        times = {name: [reply[field] for reply in values] for name, values in replies.items()}
+        plain = statistics.median(times["plain model"])
+        print(f"| {what} | median s | min-max s | vs plain |\n|---|---:|---:|---:|")
+        for name, values in times.items():
+            row = table.setdefault(name, {})
+            row[field] = {"median_s": statistics.median(values), "vs_plain": statistics.median(values) / plain}
+            print(f"| {name} | {row[field]['median_s']:.2f} | {min(values):.2f}-{max(values):.2f} | "
+                  f"{row[field]['vs_plain']:.2f}x |")
+        print()
     return table
 
 
