@@ -35,6 +35,7 @@ TOLERANCE = 0.05  # drafting within 5% of a plain step per token keeps going: in
 # k=8, docs/lossless.md#the-fallback); the margin is that over sqrt(rounds), about one standard error of their pool
 ROUND_SPREAD = 0.9
 MAX_SKIPPED_CALLS = 16  # after repeated fallbacks, at most this many calls in a row skip drafting before a probe
+REUSES_OF_T_PLAIN = 7  # calls that reuse a paying call's t_plain before one times it again: its ~3% over 8 calls
 HEURISTIC_START, HEURISTIC_MAX = 4, 16
 BACKBONE_CHOSE = -1  # DraftRecord.draft_depth of a token the backbone chose itself
 
@@ -115,11 +116,13 @@ class FallbackMemory:
     It also keeps t_plain, the plain step time a call measured with its PROBE_STEPS steps, while drafting pays: the
     next calls with the same setting draft from their first step against it (the probe steps cost ~3% of a 128-token
     call on the AMX Xeon, docs/avx512.md#the-fallbacks-margin). A fallback forgets it, so the call that probes again
-    times the backbone afresh."""
+    times the backbone afresh, and so does every REUSES_OF_T_PLAIN-th call: a t_plain timed while the machine was
+    busy would otherwise make drafting look cheap, and no fallback would ever come to correct it."""
 
     fallbacks_in_a_row: int = 0
     calls_to_skip: int = 0
     plain_step_seconds: float | None = None
+    reuses_left: int = 0  # calls that may still reuse plain_step_seconds
 
     def skips_next_call(self) -> bool:
         if self.calls_to_skip <= 0:
@@ -127,12 +130,19 @@ class FallbackMemory:
         self.calls_to_skip -= 1
         return True
 
+    def remembered_plain_step(self) -> float | None:
+        """t_plain for the next call to reuse (None: it probes), counting the reuse."""
+        if self.plain_step_seconds is None or self.reuses_left <= 0:
+            return None
+        self.reuses_left -= 1
+        return self.plain_step_seconds
+
     def call_done(self, record: DraftRecord, measured_plain_step: float | None) -> None:
         """`measured_plain_step`: the t_plain this call timed itself (None: it used the remembered one)."""
         if record.fell_back_at is None:
             self.fallbacks_in_a_row = self.calls_to_skip = 0
             if measured_plain_step is not None:
-                self.plain_step_seconds = measured_plain_step
+                self.plain_step_seconds, self.reuses_left = measured_plain_step, REUSES_OF_T_PLAIN
         else:
             self.fallbacks_in_a_row += 1
             self.calls_to_skip = min(2 ** (self.fallbacks_in_a_row - 1), MAX_SKIPPED_CALLS)
@@ -153,7 +163,7 @@ class DraftControl:
         self.clock = clock
         self.plain_times: list[float] = []  # seconds of each plain step
         self.memory = memory if fallback else None
-        self.remembered_plain_step = None if self.memory is None else self.memory.plain_step_seconds
+        self.remembered_plain_step = None if self.memory is None else self.memory.remembered_plain_step()
         record.plain_step_remembered = self.remembered_plain_step is not None
         if self.memory is not None and self.memory.skips_next_call():
             record.fell_back_at, record.fallback_remembered = 0, True

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from river_hf import RiverConfig, river_layers
-from river_hf.draft_control import BACKBONE_CHOSE, MAX_SKIPPED_CALLS, PROBE_STEPS, DraftRecord, FallbackMemory
+from river_hf.draft_control import (BACKBONE_CHOSE, MAX_SKIPPED_CALLS, PROBE_STEPS, REUSES_OF_T_PLAIN, DraftRecord,
+                                    FallbackMemory)
 
 from conftest import count_calls, generate, river_of, tiny_model
 
@@ -112,3 +113,14 @@ def test_a_fallback_forgets_t_plain_so_the_next_probe_times_the_backbone_again(p
     assert timed_call(model, prompt, slow).cache.drafts.fallback_remembered  # the next call obeys the verdict
     record = timed_call(model, prompt, slow).cache.drafts  # then one probes again, timing the backbone afresh
     assert not record.plain_step_remembered and record.plain_steps >= PROBE_STEPS
+
+
+def test_t_plain_is_timed_again_after_a_bounded_number_of_reuses():
+    """A t_plain timed while the machine was busy would make drafting look cheap for good (no fallback would come to
+    correct it): it is reused REUSES_OF_T_PLAIN times, then a call times the backbone again."""
+    memory, paid = FallbackMemory(), DraftRecord(num_layers=4)
+    memory.call_done(paid, 0.5)
+    reused = [memory.remembered_plain_step() for _ in range(REUSES_OF_T_PLAIN + 1)]
+    assert reused == [0.5] * REUSES_OF_T_PLAIN + [None]
+    memory.call_done(paid, 0.7)  # the call that probed again
+    assert memory.remembered_plain_step() == 0.7
