@@ -5,9 +5,9 @@ tests pass a fake one) and keeps the call's `DraftRecord`.
 
 The fallback rule (docs/lossless.md): the first `PROBE_STEPS` decode steps run on the plain backbone, and their
 median time is the backbone's cost per token, t_plain (later calls of the same setting reuse a paying call's t_plain:
-`FallbackMemory`). Then the call drafts: each round costs its draft passes plus
-one verification pass and yields the kept drafts plus one backbone token. After at least `MIN_ROUNDS` rounds,
-drafting stops for the rest of the call (plain backbone steps) as soon as either test fails:
+`FallbackMemory`). Then the call drafts: each round costs its draft passes plus one verification pass and yields the
+kept drafts plus one backbone token. After at least `MIN_ROUNDS` rounds, drafting stops for the rest of the call
+(plain backbone steps) as soon as either test fails:
 - the machine: the rounds so far, had every draft been kept, would cost more than t_plain (+ TOLERANCE) per token.
   Draft and verification passes take about the same time each round, so this needs no more evidence than the first
   rounds give: where a draft pass costs about a plain step (45 against 46 ms on the AVX2 EPYC, docs/lossless.md),

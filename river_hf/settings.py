@@ -69,7 +69,7 @@ class RiverSettings:
     num_draft_tokens: int | str = field(default=8, metadata={"help": (
         "lossless only: tokens the river drafts per verification, an int >= 1, or 'heuristic' (start at 4; +2 after "
         "a fully accepted draft, -1 otherwise, as transformers' num_assistant_tokens_schedule='heuristic'). Default "
-        "8: at least as fast as 4 wherever drafting paid (docs/lossless.md#the-draft-length).")})
+        "8: faster than 4 in most runs where drafting paid (docs/lossless.md#the-draft-length).")})
     draft_fallback: bool = field(default=True, metadata={"help": (
         "lossless only: measure drafting's cost per token during the call and decode on the plain backbone for the "
         "rest of it once drafting is slower than the backbone's own steps (docs/lossless.md, 'The fallback').")})
