@@ -144,6 +144,20 @@ def count_twin_calls(model) -> list[int]:
     return count_calls(*(layer.twin for layer in river_hf.river_layers(model) if layer.twin is not None))
 
 
+def slow_drafts_clock(model):
+    """A lossless `draft_clock` for a river at tau=-1: every forward pass costs one unit and a draft pass (the last
+    layer's twin runs) one more, so drafting never pays, even with every draft kept (the fallback engages)."""
+    passes, draft_passes = count_calls(model), count_calls(river_hf.river_layers(model)[-1].twin)
+    return lambda: passes[0] + draft_passes[0]
+
+
+def cheap_drafts_clock(model):
+    """A lossless `draft_clock` that counts only backbone passes of the last layer: drafts that exit early cost
+    nothing, so drafting always pays (the fallback never engages)."""
+    passes = count_calls(river_hf.river_layers(model)[-1].base_layer)
+    return lambda: passes[0]
+
+
 def mixed_tau(model, ids, start_layer: int = 2) -> float:
     """A threshold inside the model's own similarity range (median over the eligible layers), so that steps exit
     at different depths."""

@@ -10,11 +10,12 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
-from river_hf import RiverConfig, RiverSettings, exact_rows, river_layers
+from river_hf import RiverConfig, RiverSettings, exact_rows
 from river_hf.acceptance import greedy_accept, speculative_accept
 from river_hf.draft_control import BACKBONE_CHOSE, MIN_ROUNDS, PROBE_STEPS
 
-from conftest import ARCHITECTURES, NUM_LAYERS, count_calls, generate, river_of, tiny_model
+from conftest import (ARCHITECTURES, NUM_LAYERS, cheap_drafts_clock, count_calls, generate, river_of, slow_drafts_clock,
+                      tiny_model)
 
 START = 2  # river_of's default start layer
 NEW = 14
@@ -182,10 +183,7 @@ def timed_lossless(model, ids, clock):
 
 def test_fallback_engages_when_drafting_costs_more_and_output_stays_exact(prompt):
     model, reference = backbone_and_river("llama", prompt, new_tokens=24)
-    # the clock: every forward pass costs one unit and a draft pass (the last layer's twin runs) one more, so even
-    # with every draft kept a round costs more per token than a plain step
-    passes, draft_passes = count_calls(model), count_calls(river_layers(model)[-1].twin)
-    out = timed_lossless(model, prompt, lambda: passes[0] + draft_passes[0])
+    out = timed_lossless(model, prompt, slow_drafts_clock(model))
     record = out.cache.drafts
     assert torch.equal(out.sequences, reference.sequences)
     assert record.plain_steps >= PROBE_STEPS and len(record.rounds) == MIN_ROUNDS
@@ -196,9 +194,7 @@ def test_fallback_engages_when_drafting_costs_more_and_output_stays_exact(prompt
 
 def test_no_fallback_while_drafting_pays(prompt):
     model, reference = backbone_and_river("llama", prompt, new_tokens=24)
-    last_layer = model.model.layers[-1].base_layer
-    backbone_passes = count_calls(last_layer)  # the clock: drafts that exit at layer 2 cost nothing
-    out = timed_lossless(model, prompt, lambda: backbone_passes[0])
+    out = timed_lossless(model, prompt, cheap_drafts_clock(model))
     record = out.cache.drafts
     assert torch.equal(out.sequences, reference.sequences)
     assert record.fell_back_at is None and record.plain_steps == PROBE_STEPS and len(record.rounds) > MIN_ROUNDS

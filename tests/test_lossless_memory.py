@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from river_hf import RiverConfig, river_layers
+from river_hf import RiverConfig
 from river_hf.draft_control import (BACKBONE_CHOSE, MAX_SKIPPED_CALLS, PROBE_STEPS, REUSES_OF_T_PLAIN, DraftRecord,
                                     FallbackMemory)
 
-from conftest import count_calls, generate, river_of, tiny_model
+from conftest import cheap_drafts_clock, generate, river_of, slow_drafts_clock, tiny_model
 
 NEW = 24
 
@@ -28,18 +28,11 @@ def timed_call(model, ids, clock, k=4, fallback=True):
     return model.generate(ids, generation_config=config, draft_clock=clock)
 
 
-def slow_drafts(model):
-    """A clock where every forward pass costs one unit and a draft pass (the last layer's twin runs) one more:
-    drafting never pays, even with every draft kept (the fallback engages)."""
-    passes, draft_passes = count_calls(model), count_calls(river_layers(model)[-1].twin)
-    return lambda: passes[0] + draft_passes[0]
-
-
 def test_after_a_fallback_the_next_calls_skip_drafting_then_probe_again(prompt):
     backbone = tiny_model("llama")
     reference = generate(backbone, prompt, max_new_tokens=NEW).sequences
     model = river_of(backbone)
-    clock = slow_drafts(model)
+    clock = slow_drafts_clock(model)
     remembered = []
     for _ in range(7):
         out = timed_call(model, prompt, clock)
@@ -55,15 +48,15 @@ def test_after_a_fallback_the_next_calls_skip_drafting_then_probe_again(prompt):
 
 def test_a_call_whose_drafting_pays_is_never_skipped(prompt):
     model = river_of(tiny_model("llama"))
-    backbone_passes = count_calls(model.model.layers[-1].base_layer)  # drafts that exit early cost nothing
+    clock = cheap_drafts_clock(model)
     for _ in range(3):
-        record = timed_call(model, prompt, lambda: backbone_passes[0]).cache.drafts
+        record = timed_call(model, prompt, clock).cache.drafts
         assert not record.fallback_remembered and record.fell_back_at is None
 
 
 def test_the_memory_is_per_setting_and_only_with_the_fallback(prompt):
     model = river_of(tiny_model("llama"))
-    clock = slow_drafts(model)
+    clock = slow_drafts_clock(model)
     assert timed_call(model, prompt, clock, k=4).cache.drafts.fell_back_at is not None
     assert not timed_call(model, prompt, clock, k=2).cache.drafts.fallback_remembered  # another setting probes
     record = timed_call(model, prompt, clock, k=4, fallback=False).cache.drafts
@@ -93,21 +86,20 @@ def test_after_a_call_whose_drafting_paid_the_next_drafts_from_its_first_step(pr
     backbone = tiny_model("llama")
     reference = generate(backbone, prompt, max_new_tokens=NEW).sequences
     model = river_of(backbone)
-    backbone_passes = count_calls(model.model.layers[-1].base_layer)  # drafts that exit early cost nothing
-    first, second = (timed_call(model, prompt, lambda: backbone_passes[0]) for _ in range(2))
+    clock = cheap_drafts_clock(model)
+    first, second = (timed_call(model, prompt, clock) for _ in range(2))
     assert first.cache.drafts.plain_steps == PROBE_STEPS and not first.cache.drafts.plain_step_remembered
     record = second.cache.drafts
     assert record.plain_step_remembered and record.rounds and record.fell_back_at is None
     assert record.draft_depth[1] != BACKBONE_CHOSE  # the token after the prompt's was drafted, not a probe step
     assert torch.equal(first.sequences, reference) and torch.equal(second.sequences, reference)
-    assert not timed_call(model, prompt, lambda: backbone_passes[0], k=2).cache.drafts.plain_step_remembered
+    assert not timed_call(model, prompt, clock, k=2).cache.drafts.plain_step_remembered
 
 
 def test_a_fallback_forgets_t_plain_so_the_next_probe_times_the_backbone_again(prompt):
     model = river_of(tiny_model("llama"))
-    backbone_passes = count_calls(model.model.layers[-1].base_layer)
-    timed_call(model, prompt, lambda: backbone_passes[0])  # drafting pays: t_plain remembered
-    slow = slow_drafts(model)
+    timed_call(model, prompt, cheap_drafts_clock(model))  # drafting pays: t_plain remembered
+    slow = slow_drafts_clock(model)
     record = timed_call(model, prompt, slow).cache.drafts  # now it does not: falls back
     assert record.plain_step_remembered and record.fell_back_at is not None
     assert timed_call(model, prompt, slow).cache.drafts.fallback_remembered  # the next call obeys the verdict
