@@ -12,7 +12,9 @@ import dataclasses
 import os
 from contextlib import contextmanager
 
+import torch
 from transformers import GenerationConfig
+from transformers.utils import ModelOutput
 
 from .cache import RiverCache
 from .config import RiverQuantConfig
@@ -85,10 +87,37 @@ def without_river_fields(generation_config):
     return GenerationConfig.from_dict(values)
 
 
+# A river's `generate` runs under `torch.inference_mode` instead of transformers' `no_grad`: at batch 1 a decode step
+# is hundreds of ops of a few µs each, and autograd's per-op bookkeeping (version counters, view tracking) is a share
+# of every one. Plain and river steps alike (the backbone a bench compares against runs the same way); measured in
+# docs/benchmarks.md#inference-mode-every-generate-runs-under-torchinference_mode (`examples/inference_mode.py`
+# switches this off to compare).
+GENERATE_IN_INFERENCE_MODE = True
+
+
+def as_normal_tensors(output):
+    """`generate`'s result with its tensors (sequences, scores, logits, ...) cloned out of inference mode, so that a
+    caller can use them in autograd afterwards (e.g. the sequences of an RL step). The cache is left as it is."""
+    if isinstance(output, torch.Tensor):
+        return output.clone() if output.is_inference() else output
+    if isinstance(output, (tuple, list)):
+        return type(output)(as_normal_tensors(item) for item in output)
+    if isinstance(output, ModelOutput):
+        for key, value in output.items():
+            if isinstance(value, (torch.Tensor, tuple, list)):
+                output[key] = as_normal_tensors(value)
+    return output
+
+
 class RiverGenerationMixin:
     """Mixed in front of the model's class by `build_river`: routes `generate` through a `RiverCache`."""
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
+        with torch.inference_mode(GENERATE_IN_INFERENCE_MODE):
+            output = self._river_generate(inputs, generation_config, **kwargs)
+        return as_normal_tensors(output)
+
+    def _river_generate(self, inputs, generation_config, **kwargs):
         settings = river_settings_from(generation_config, kwargs, model_default=self.generation_config)
         # None where exiting does not pay on this machine (lossless keeps its own checks and fallback: it goes on)
         if settings is not None and settings.tau == AUTO_TAU and not settings.lossless:

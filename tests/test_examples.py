@@ -115,3 +115,14 @@ def test_load_ab_compares_two_checkouts_in_fresh_processes(tmp_path):
         backend="auto", nbits=4, group_size=64, start_layer=2, quantize_lm_head=False)).save_pretrained(river)
     seconds = load_ab.main([plain, river, load_ab.HERE, river, "--loads", "1"])
     assert list(seconds) == ["plain", "old code", "this code"] and all(len(v) == 1 and v[0] > 0 for v in seconds.values())
+
+
+def test_inference_mode_example_times_every_system_in_both_modes(saved_tiny_model, capsys):
+    record = load_example("inference_mode").main(["--model", str(saved_tiny_model), "--prompts", "1", "--rounds", "1",
+                                                  "--max-new-tokens", "3"])
+    rates = record["decode_tokens_per_s"]
+    assert set(rates) == {"backbone", "defaults", "lossless k=8"}
+    assert all(len(values) == 1 and values[0] > 0 for by_mode in rates.values() for values in by_mode.values())
+    assert "| lossless k=8 |" in capsys.readouterr().out
+    import river_hf.generation
+    assert river_hf.generation.GENERATE_IN_INFERENCE_MODE  # switched back on after every call

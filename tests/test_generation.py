@@ -190,3 +190,27 @@ def test_eos_stops_generation_and_the_record_matches(prompt_ids):
     assert out.sequences[0, -1].item() == eos
     assert out.cache.exit_depth.shape[1] == out.sequences.shape[1] - 1  # the last token was never fed back
     out.cache.check_kv_integrity()
+
+
+@pytest.mark.parametrize("river_call", [{"tau": -1}, {"tau": -1, "lossless": True}, {}], ids=["river", "lossless", "plain"])
+def test_generate_runs_in_inference_mode_and_returns_tensors_autograd_can_use(river_call, prompt_ids):
+    model = river_of(tiny_model())
+    seen = []
+    handle = model.model.layers[0].register_forward_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
+    try:
+        out = generate(model, prompt_ids[:1], output_logits=True, **river_call)
+    finally:
+        handle.remove()
+    assert seen and all(seen)  # every forward pass of the call, river or plain
+    assert not out.sequences.is_inference() and not any(logits.is_inference() for logits in out.logits)
+    loss = model(out.sequences).logits.float().logsumexp(-1).mean() * out.logits[0].softmax(-1).max()
+    loss.backward()  # an RL-style use of the generated tokens and their logits raises nothing
+    assert model.get_input_embeddings().weight.grad is not None
+
+
+def test_inference_mode_leaves_the_tokens_as_they_were(prompt_ids, monkeypatch):
+    model = river_of(tiny_model())
+    expected = {tau: generate(model, prompt_ids, tau=tau).sequences for tau in (1.5, 0.8, -1)}
+    monkeypatch.setattr(river_hf.generation, "GENERATE_IN_INFERENCE_MODE", False)
+    for tau, sequences in expected.items():
+        assert torch.equal(generate(model, prompt_ids, tau=tau).sequences, sequences)
