@@ -126,3 +126,14 @@ def test_inference_mode_example_times_every_system_in_both_modes(saved_tiny_mode
     assert "| lossless k=8 |" in capsys.readouterr().out
     import river_hf.generation
     assert river_hf.generation.GENERATE_IN_INFERENCE_MODE  # switched back on after every call
+
+
+def test_module_precision_example_measures_every_mix(saved_tiny_model, capsys):
+    record = load_example("module_precision").main(["--model", str(saved_tiny_model), "--prompts", "1", "--tokens",
+                                                    "3"])
+    mixes = record["mixes"]
+    assert len(mixes) == 3 + 2 * 7
+    assert all(0 <= mix["match"] <= 1 and mix["positions"] == 3 for mix in mixes.values())
+    limits = {name: mix["byte_limit"] for name, mix in mixes.items()}
+    assert limits["all 4-bit"] > limits["8-bit, up 4-bit"] > limits["all 8-bit"] > 1  # fewer bits, fewer bytes
+    assert "| all 8-bit |" in capsys.readouterr().out
