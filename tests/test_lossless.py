@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+import river_hf
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from river_hf import RiverConfig, RiverSettings, exact_rows
@@ -91,6 +93,15 @@ def test_scripted_exits_and_the_draft_record(prompt, scripted_exits):
     summary = record.summary()
     assert summary["tokens_per_backbone_pass"] == 20 / record.backbone_passes
     assert summary["draft_seconds"] > 0 and summary["verify_seconds"] > 0
+
+
+def test_auto_tau_drafts_every_token_from_the_start_layer(prompt):
+    model, reference = backbone_and_river("llama", prompt, new_tokens=20)
+    out = lossless(model, prompt, k=3, max_new_tokens=20)  # tau left at "auto"
+    assert torch.equal(out.sequences, reference.sequences)
+    kept_drafts = [depth for depth in out.cache.drafts.draft_depth if depth != BACKBONE_CHOSE]
+    assert kept_drafts and set(kept_drafts) == {START}  # the explicit tau=-1, not a measured signal default
+    assert getattr(river_hf.river_layers(model)[0], "exit_gain", None) is None  # no exit-gain timing first
 
 
 @pytest.mark.parametrize("new_tokens", [1, 2, 3, 6, 7])
