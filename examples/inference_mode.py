@@ -16,7 +16,6 @@ Time it on a quiet machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
@@ -26,6 +25,7 @@ from tqdm.auto import tqdm
 import river_hf.generation as generation
 from river_hf import RiverConfig, RiverQuantConfig, build_river
 from river_hf.bench.data import load_prompts
+from river_hf.bench.records import write_record
 from river_hf.bench.run import environment
 from river_hf.bench.speed import time_generate
 from river_hf.models import build_chat_inputs, load_model_and_tokenizer
@@ -95,8 +95,7 @@ def main(argv=None) -> dict:
     report(rates)
     record = {"environment": environment(), "arguments": vars(args), "decode_tokens_per_s": rates}
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(record, f, indent=1)
+        write_record(record, args.output)
     return record
 
 

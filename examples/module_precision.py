@@ -16,7 +16,6 @@ the mix's (`river_hf.bench.bytes`): what a purely memory-bound step could gain.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from tqdm.auto import tqdm
@@ -25,6 +24,7 @@ from river_hf import RiverQuantConfig, build_river, river_layers
 from river_hf.bench.bytes import byte_table
 from river_hf.bench.data import load_prompts
 from river_hf.bench.fidelity import backbone_references, measure_fidelity
+from river_hf.bench.records import write_record
 from river_hf.bench.run import environment
 from river_hf.config import AUTO_SHALLOW_SHARE
 from river_hf.models import build_chat_inputs, load_model_and_tokenizer
@@ -94,8 +94,7 @@ def main(argv=None) -> dict:
         print(f"| {name} | {100 * result['match']:.2f}% | {result['kl']:.4f} | {result['byte_limit']:.2f}x |")
     record = {"environment": environment(), "arguments": vars(args), "mixes": results}
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(record, f, indent=1)
+        write_record(record, args.output)
     return record
 
 
