@@ -361,3 +361,16 @@ def test_generate_refuses_lossless_without_the_river(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "hi", "--lossless", "0"])
     assert "--lossless: expected an int >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arguments, expected", [
+    ([], [("confidence", -1.0)]),  # the mode's own default drafts
+    (["--taus", "0.9"], [("cosine", 0.9)]),
+    (["--signals", "confidence", "--signal-taus", "0.3", "-1"], [("confidence", 0.3), ("confidence", -1.0)]),
+])
+def test_bench_lossless_benches_the_default_drafts_unless_told(arguments, expected):
+    from river_hf.cli import build_parser
+    from river_hf.commands.bench import _lossless_signal_taus
+
+    args = build_parser().parse_args(["bench", "--lossless", "8", *arguments])
+    assert _lossless_signal_taus(args) == expected

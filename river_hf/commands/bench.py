@@ -103,19 +103,22 @@ def _add_lossless_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lossless", nargs="+", type=draft_length_arg, default=None, metavar="K",
                        help="Instead of the tau sweep: the backbone and the lossless mode drafting K tokens per "
                             "verification (an int, or 'heuristic'), with and without its fallback, for each exit "
-                            "signal in --signals at each of --signal-taus (default: cosine at --taus, else the "
-                            "default tau). Reports speed ratio, match with the backbone, acceptance, tokens per "
-                            "backbone pass, fallbacks and the time split.")
+                            "signal in --signals at each of --signal-taus (else cosine at --taus; with neither, the "
+                            "mode's default drafts: tau=-1, every draft from the start layer). Reports speed ratio, "
+                            "match with the backbone, acceptance, tokens per backbone pass, fallbacks and the time "
+                            "split.")
 
 
 def _lossless_signal_taus(args: argparse.Namespace) -> list[tuple[str, float]]:
-    from ..settings import DEFAULT_TAU
+    from ..settings import LOSSLESS_AUTO_TAU, RiverSettings
 
     if args.signals:
         if not args.signal_taus:
             raise CLIError("--lossless with --signals needs --signal-taus (the taus of those signals).")
         return [(signal, tau) for signal in args.signals for tau in args.signal_taus]
-    return [("cosine", tau) for tau in (args.taus or [DEFAULT_TAU])]
+    if args.taus:
+        return [("cosine", tau) for tau in args.taus]
+    return [(RiverSettings().exit_signal, LOSSLESS_AUTO_TAU)]  # what RiverConfig(lossless=True) drafts with
 
 
 def _run_lossless(args: argparse.Namespace, quant_config, settings, output) -> int:
