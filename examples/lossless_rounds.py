@@ -17,10 +17,11 @@ import statistics
 
 import torch
 
-from river_hf import RiverConfig, RiverQuantConfig, build_river, river_layers
+from river_hf import RiverConfig, RiverQuantConfig, build_river
 from river_hf.bench.data import load_prompts
 from river_hf.commands.common import nbits_arg
 from river_hf.draft_control import PROBE_STEPS
+from river_hf.lossless import forget_fallbacks
 from river_hf.models import build_chat_inputs, load_model_and_tokenizer
 
 
@@ -28,7 +29,7 @@ def plain_step_seconds(model, inputs: dict) -> float:
     """t_plain as the fallback rule measures it: the lossless mode's own plain backbone steps that open a call (a
     call of 1 + PROBE_STEPS tokens is only those), their mean."""
     # a fresh river's fallback memory: otherwise the call reuses the t_plain an earlier call measured, taking no steps
-    vars(river_layers(model)[0]).pop("lossless_fallbacks", None)
+    forget_fallbacks(model)
     config = RiverConfig(tau=0.3, exit_signal="confidence", lossless=True, max_new_tokens=1 + PROBE_STEPS,
                          min_new_tokens=1 + PROBE_STEPS, return_dict_in_generate=True)
     record = model.generate(**inputs, generation_config=config).cache.drafts

@@ -8,6 +8,8 @@ its default measures, once per river, a decode step that exits as early as allow
 (interleaved, in this process, on this machine): the `ExitGain`. Where the exited step is at least `MIN_GAIN` faster,
 tau="auto" is the signal's `DEFAULT_TAUS` entry; where it is not, tau="auto" exits nothing, `generate` runs the plain
 backbone (never slower than it, by construction) and a warning says so once. An explicit tau is always obeyed.
+In lossless mode tau="auto" is LOSSLESS_AUTO_TAU (-1: every draft leaves at the start layer), unmeasured: the
+backbone verifies every draft, and the lossless fallback (river_hf.draft_control) judges whether drafting pays here.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from transformers import DynamicCache
 
 from .cache import RiverCache
 
-from .settings import DEFAULT_TAUS, RiverSettings
+from .settings import DEFAULT_TAUS, LOSSLESS_AUTO_TAU, RiverSettings
 from .signals import reads_tau
 
 MIN_GAIN = 0.05  # an exited step must be this much faster than a backbone step: below it, router costs eat the gain
@@ -60,9 +62,12 @@ class ExitGain:
 
 def auto_settings(settings: RiverSettings, layers, measure) -> RiverSettings | None:
     """For tau="auto": `settings` with the signal's default tau where this river's exits pay on this machine, else
-    None (run the plain backbone; warns once per river). `measure()` -> ExitGain runs once per river."""
+    None (run the plain backbone; warns once per river). `measure()` -> ExitGain runs once per river. Lossless
+    settings get LOSSLESS_AUTO_TAU, unmeasured."""
     if not reads_tau(settings.exit_signal):  # random routing, a scripted signal: asked for as is, never guarded
         return dataclasses.replace(settings, tau=NEVER_EXITS)
+    if settings.lossless:  # drafts leave at once; the fallback, not an exit-gain timing, judges this machine
+        return dataclasses.replace(settings, tau=LOSSLESS_AUTO_TAU)
     gain = exit_gain(layers, measure)
     if not gain.pays:
         _warn_once(layers[0], gain)

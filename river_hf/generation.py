@@ -23,7 +23,7 @@ from .lm_head import original_lm_head
 from .defaults import FULL_EXIT, NEVER_EXITS, ExitGain, auto_settings, measure_exit_gain
 from .lossless import LosslessCache, lossless_generate_kwargs
 from .router import ExitRouter
-from .settings import AUTO_TAU, LOSSLESS_AUTO_TAU, RIVER_FIELDS, RiverSettings, river_field_defaults, river_fields_doc
+from .settings import AUTO_TAU, RIVER_FIELDS, RiverSettings, river_field_defaults, river_fields_doc
 from .strategies import make_strategy
 from . import twin_store
 
@@ -119,8 +119,6 @@ class RiverGenerationMixin:
 
     def _river_generate(self, inputs, generation_config, **kwargs):
         settings = river_settings_from(generation_config, kwargs, model_default=self.generation_config)
-        if settings is not None and settings.tau == AUTO_TAU and settings.lossless:  # drafts exit at once
-            settings = dataclasses.replace(settings, tau=LOSSLESS_AUTO_TAU)
         # None where exiting does not pay on this machine
         if settings is not None and settings.tau == AUTO_TAU:
             resolved = auto_settings(settings, river_layers(self), lambda: measure_river_exit_gain(self))

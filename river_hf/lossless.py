@@ -84,6 +84,11 @@ def fallback_memory(model, settings) -> FallbackMemory:
     return memories.setdefault(settings, FallbackMemory())
 
 
+def forget_fallbacks(model) -> None:
+    """Drop every fallback verdict and remembered t_plain of this river: its next lossless call probes afresh."""
+    vars(river_layers(model)[0]).pop("lossless_fallbacks", None)
+
+
 def _check_call(input_ids, generation_config, cache, model_kwargs) -> None:
     if generation_config.num_beams > 1:
         raise ValueError(f"`num_beams`={generation_config.num_beams}: lossless mode decodes greedily or samples; "

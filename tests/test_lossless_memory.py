@@ -116,3 +116,14 @@ def test_t_plain_is_timed_again_after_a_bounded_number_of_reuses():
     assert reused == [0.5] * REUSES_OF_T_PLAIN + [None]
     memory.call_done(paid, 0.7)  # the call that probed again
     assert memory.remembered_plain_step() == 0.7
+
+
+def test_forget_fallbacks_makes_the_next_call_probe_afresh(prompt):
+    from river_hf.lossless import forget_fallbacks
+
+    model = river_of(tiny_model("llama"))
+    clock = slow_drafts_clock(model)
+    timed_call(model, prompt, clock)  # falls back: the next call would obey the verdict
+    forget_fallbacks(model)
+    record = timed_call(model, prompt, clock).cache.drafts
+    assert not record.fallback_remembered and record.plain_steps >= PROBE_STEPS and record.rounds
