@@ -74,19 +74,20 @@ def lossless_decoding(model, input_ids, logits_processor, stopping_criteria, gen
     return decoder.output()
 
 
+_FALLBACK_MEMORIES = "lossless_fallbacks"  # the attribute of a river's first RiverLayer that holds them
+
+
 def fallback_memory(model, settings) -> FallbackMemory:
     """The fallback verdicts of this river's earlier calls with the same river settings (kept on its first
     RiverLayer, like the ExitGain: a rebuilt river starts afresh)."""
     first = river_layers(model)[0]
-    memories = getattr(first, "lossless_fallbacks", None)
-    if memories is None:
-        first.lossless_fallbacks = memories = {}
+    memories = vars(first).setdefault(_FALLBACK_MEMORIES, {})
     return memories.setdefault(settings, FallbackMemory())
 
 
 def forget_fallbacks(model) -> None:
     """Drop every fallback verdict and remembered t_plain of this river: its next lossless call probes afresh."""
-    vars(river_layers(model)[0]).pop("lossless_fallbacks", None)
+    vars(river_layers(model)[0]).pop(_FALLBACK_MEMORIES, None)
 
 
 def _check_call(input_ids, generation_config, cache, model_kwargs) -> None:
