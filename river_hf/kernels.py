@@ -77,14 +77,11 @@ def _int4_scales_and_zeros(scale, zero, nbits: int, in_features: int, kernel_gro
     return pairs.transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
-def _pack_int4(convert, codes, scale, zero, group_size, nbits, reuse_codes=False):
-    """`convert`: centered int32 codes [N, K] -> the kernel's packed weight. `reuse_codes`: int32 codes may be
-    centered in place (a saved river's load unpacks its 4-bit codes straight into int32: no second copy)."""
+def _pack_int4(convert, codes, scale, zero, group_size, nbits):
+    """`convert`: centered int32 codes [N, K] -> the kernel's packed weight."""
     kernel_group = int4_kernel_group(codes.shape[1], group_size)
-    if reuse_codes and codes.dtype == torch.int32 and codes.is_contiguous():
-        centered = codes
-    else:  # codes 0..15 read as int8 widen to int32 ~3x faster than uint8 do on CPU
-        centered = (codes.view(torch.int8) if codes.dtype == torch.uint8 else codes).to(torch.int32, copy=True)
+    # Codes 0..15 read as int8 widen to int32 ~3x faster than uint8 do on CPU (a saved river's load packs hundreds)
+    centered = (codes.view(torch.int8) if codes.dtype == torch.uint8 else codes).to(torch.int32, copy=True)
     if _int4_shift(nbits):
         centered += _int4_shift(nbits)  # [N, K] in 0..15
     return {"qweight": convert(centered.contiguous()),
@@ -106,8 +103,9 @@ def _pack_int8_cpu(codes, scale, zero, group_size, nbits):
     # Per-row only: y = s * (x @ (W_q - 128)^T) + s * (128 - zero) * sum(x), exactly HQQ's (W_q - zero) * s.
     # bf16 scales: the kernel wants them with bf16 input, and a bf16 correction saves two ops per call (~15 µs).
     # uint8 code c -> int8 c - 128 is flipping the top bit and reading the byte as signed: one pass, not three.
-    # Always a new tensor: the kernel crashes on a weight that is not 16-byte aligned when M > 1 (torch 2.13), and
-    # a saved river's stored codes are the mapped file's, at 8-byte offsets.
+    # Always a new tensor, never the codes flipped in place: the kernel segfaults on a weight that is not 16-byte
+    # aligned when x has more than one row (torch 2.13), and a saved river's stored codes lie in the mapped file
+    # at 8-byte offsets.
     return {"qweight": (codes.to(torch.uint8) ^ _INT8_MID).view(torch.int8),  # [N, K]
             "kernel_scale": scale[:, 0].to(torch.bfloat16),  # [N]
             "zero_shift": (scale[:, 0] * (_INT8_MID - zero[:, 0])).to(torch.bfloat16)}  # [N]
@@ -135,7 +133,7 @@ def _pack_dense(codes, scale, zero, group_size, nbits):
 
 
 def _pack_hqq(codes, scale, zero, group_size, nbits):
-    return {"qweight": codes.to(torch.uint8)}  # [N, K] uint8, dequantized on every call
+    return {"qweight": codes}  # [N, K] uint8, dequantized on every call
 
 
 # Every op costs microseconds at batch-1 decoding (a GEMV here takes ~20-40 µs), so the hot path skips no-op casts:
@@ -224,23 +222,13 @@ class Kernel(NamedTuple):
     quantizes_activations: bool = False  # rounds the activations too (a fidelity cost): used only when asked
     per_row: bool = False  # reads one (scale, zero) per output row: a group size is not used
     engines: tuple[str, ...] = ()  # the torch.backends.quantized.engine values it runs under (empty: any)
-    reuses_codes: bool = False  # `pack` takes `reuse_codes=True`: it may pack into the codes' own memory
-
-
-def pack(backend: str, codes, scale, zero, group_size, nbits, reuse_codes: bool = False) -> dict:
-    """`backend`'s buffers for HQQ's (codes [N, K], scale, zero [N, G]). `reuse_codes`: the caller hands the codes
-    over (nothing reads them after), so a kernel that can packs into their memory."""
-    kernel = KERNELS[backend]
-    if reuse_codes and kernel.reuses_codes:
-        return kernel.pack(codes, scale, zero, group_size, nbits, reuse_codes=True)
-    return kernel.pack(codes, scale, zero, group_size, nbits)
 
 
 KERNELS = {
     "int4pack_cpu": Kernel(
         device_type="cpu", nbits=(2, 3, 4), ops=("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"),
         pack=partial(_pack_int4, _convert_int4_cpu), matmul=_matmul_int4_cpu, codes=_codes_via_int4_kernel,
-        activation_dtype=torch.bfloat16, reuses_codes=True),
+        activation_dtype=torch.bfloat16),
     "int8pack_cpu": Kernel(
         device_type="cpu", nbits=(8,), ops=("_weight_int8pack_mm",),
         pack=_pack_int8_cpu, matmul=partial(_matmul_int8, torch.bfloat16), codes=_codes_int8,

@@ -24,7 +24,7 @@ from torch import nn
 
 from .checks import check_choice
 from .kernel_choice import fastest_backend
-from .kernels import KERNELS, PREFERRED_BACKENDS, SUPPORTED_NBITS, cast, dequantize, pack, runs, shape_problem
+from .kernels import KERNELS, PREFERRED_BACKENDS, SUPPORTED_NBITS, cast, dequantize, runs, shape_problem
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256, None)  # None = one group per output channel (whole row)
 BACKENDS = ("auto", "fastest", *KERNELS)
@@ -291,28 +291,23 @@ class RiverQuantLinear(nn.Module):
     @torch.no_grad()
     def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
                    nbits: int = 4, group_size: int | None = 64, backend: str = "auto",
-                   device: torch.device | str | None = None, activations: str | None = None,
-                   reuse_codes: bool = False) -> "RiverQuantLinear":
-        """A twin linear from HQQ codes made before (a saved river, river_hf.twin_store): codes uint8 (or int32)
-        [N, K] in 0..2^nbits-1, scale and zero [N, G]; packed for `backend` on `device` (default: the codes'
-        device), no HQQ. 'fastest' measures the kernels for this shape as `from_linear` does, among those that can
-        read the codes' grouping (8-bit codes grouped by `group_size` cannot run on the per-row int8 kernels: they
-        run on 'dense'). `reuse_codes`: the codes are handed over (the caller never reads them again), so a kernel
-        that can packs into their memory."""
+                   device: torch.device | str | None = None, activations: str | None = None) -> "RiverQuantLinear":
+        """A twin linear from HQQ codes made before (a saved river, river_hf.twin_store): codes uint8 [N, K] in
+        0..2^nbits-1, scale and zero [N, G]; packed for `backend` on `device` (default: the codes' device), no HQQ.
+        'fastest' measures the kernels for this shape as `from_linear` does, among those that can read the codes'
+        grouping (8-bit codes grouped by `group_size` cannot run on the per-row int8 kernels: they run on 'dense')."""
         check_choice("nbits", nbits, SUPPORTED_NBITS)
         check_choice("group_size", group_size, SUPPORTED_GROUP_SIZES)
         out_features, in_features = codes.shape
         groups = 1 if group_size is None else in_features // group_size
-        if codes.dtype not in (torch.uint8, torch.int32) or scale.shape != (out_features, groups) \
-                or zero.shape != scale.shape:
-            raise ValueError(f"`codes` must be uint8 (or int32) [N, K] and `scale`, `zero` [N, K // group_size]; "
-                             f"got codes {codes.dtype} {tuple(codes.shape)}, scale {tuple(scale.shape)}, zero "
-                             f"{tuple(zero.shape)} for `group_size`={group_size}.")
+        if codes.dtype != torch.uint8 or scale.shape != (out_features, groups) or zero.shape != scale.shape:
+            raise ValueError(f"`codes` must be uint8 [N, K] and `scale`, `zero` [N, K // group_size]; got codes "
+                             f"{codes.dtype} {tuple(codes.shape)}, scale {tuple(scale.shape)}, zero {tuple(zero.shape)} "
+                             f"for `group_size`={group_size}.")
         device = torch.device(device) if device is not None else codes.device
         backend = _backend_for_codes(backend, nbits, group_size, out_features, in_features, device, activations)
-        reuse_codes &= codes.device == device  # codes copied to another device are a new tensor anyway
         codes, scale, zero = codes.to(device), scale.to(device).float(), zero.to(device).float()
-        buffers = {"scale": scale, "zero": zero, **pack(backend, codes, scale, zero, group_size, nbits, reuse_codes)}
+        buffers = {"scale": scale, "zero": zero, **KERNELS[backend].pack(codes, scale, zero, group_size, nbits)}
         bias = None if bias is None else bias.to(device)
         return cls(in_features, out_features, nbits, group_size, backend, buffers, bias)
 

@@ -132,14 +132,9 @@ def _pack_codes(codes: torch.Tensor, nbits: int) -> tuple[torch.Tensor, bool]:
 
 
 def _unpack_codes(stored: torch.Tensor, packed: bool) -> torch.Tensor:
-    """The stored codes [N, K]: as stored (uint8), or two codes per byte unpacked straight into the int32 the 4-bit
-    kernels take (one new tensor, which the twin then packs in place: no uint8 copy to widen after)."""
     if not packed:
         return stored
-    unpacked = stored.new_empty(*stored.shape, 2, dtype=torch.int32)  # [N, K / 2, 2]: even column, odd column
-    torch.bitwise_and(stored, 15, out=unpacked[..., 0])
-    torch.bitwise_right_shift(stored, 4, out=unpacked[..., 1])
-    return unpacked.view(stored.shape[0], -1)
+    return torch.stack([stored & 15, stored >> 4], dim=-1).reshape(stored.shape[0], -1)
 
 
 def _linear_entry(key: str, linear: RiverQuantLinear, tensors: dict) -> dict:
@@ -322,13 +317,12 @@ class StoredTwins:
                             f"{_difference(entry['fingerprint'], source_fingerprint)})")
         key = entry["key"]
         codes = _unpack_codes(self.tensors[f"{key}.codes"], entry["packed"])
-        # unpacked 4-bit codes are a new tensor, which the kernel may pack in place; stored ones are the file's
-        # (mapped, not aligned for the int8 kernel) and stay as they are
+        bias = self.tensors.get(f"{key}.bias")
         linear = RiverQuantLinear.from_codes(codes, self.tensors[f"{key}.scale"], self.tensors[f"{key}.zero"],
-                                             self.tensors.get(f"{key}.bias"),
+                                             bias,
                                              nbits=entry["nbits"], group_size=entry["group_size"],
                                              backend=quant_config.backend, device=source.weight.device,
-                                             activations=quant_config.activations, reuse_codes=entry["packed"])
+                                             activations=quant_config.activations)
         linear.source_fingerprint = source_fingerprint
         return linear
 

@@ -1,6 +1,5 @@
 """The twins file's formats: format 3 checks each stored tensor against a checksum; format 2 files (digests) are
-still read, with the same checks; what a checksum sees and what only a digest sees; stored 4-bit codes unpacked
-straight into the int32 the int4 kernel packs in place."""
+still read, with the same checks; what a checksum sees and what only a digest sees."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from river_hf import quantize
 from river_hf.twin_store import FORMAT_VERSION, METADATA_KEY, TWINS_FILE, StoredTwins, StoredTwinsError, checksum, \
-    digest, _pack_codes, _unpack_codes
+    digest
 
 from test_saved_river import assert_same_river, corrupt, saved_river, without_hqq
 
@@ -76,30 +74,3 @@ def test_a_saved_load_shows_the_stored_twins_bar_and_no_quantizing_bar(tmp_path,
     without_hqq(AutoModelForCausalLM.from_pretrained, folder)
     bars = capsys.readouterr().err
     assert "river: loading stored twins" in bars and "quantizing" not in bars
-
-
-def test_stored_4bit_codes_unpack_straight_into_int32():
-    codes = torch.randint(0, 16, (48, 128), dtype=torch.uint8)
-    stored, packed = _pack_codes(codes, 4)
-    assert packed and stored.shape == (48, 64)
-    unpacked = _unpack_codes(stored, packed)
-    assert unpacked.dtype == torch.int32 and torch.equal(unpacked, codes.to(torch.int32))
-
-
-@pytest.mark.parametrize("backend, nbits, group_size", [
-    ("int4pack_cpu", 4, 64), ("int4pack_cpu", 3, 32), ("int4pack_cpu", 2, None), ("int8pack_cpu", 8, None),
-    ("dense", 4, 64), ("hqq", 4, 64)])
-def test_int32_codes_handed_over_or_not_give_the_same_twin(backend, nbits, group_size):
-    torch.manual_seed(nbits)
-    with torch.no_grad():
-        linear = quantize.RiverQuantLinear.from_linear(torch.nn.Linear(128, 64), nbits=nbits, group_size=group_size,
-                                                       backend=backend)
-        codes = linear.codes()  # uint8, as a file stores them
-        kept = codes.to(torch.int32)
-        twins = [quantize.RiverQuantLinear.from_codes(given, linear.scale, linear.zero, linear.bias, nbits=nbits,
-                                                      group_size=group_size, backend=backend, reuse_codes=reuse)
-                 for given, reuse in ((kept, False), (codes.to(torch.int32), True))]
-    assert torch.equal(kept, codes.to(torch.int32))  # codes not handed over are left as they were
-    for twin in twins:
-        assert twin.backend == backend
-        assert all(torch.equal(twin._buffers[k], linear._buffers[k]) for k in linear._buffers)
