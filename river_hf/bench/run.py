@@ -213,11 +213,18 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
+# OpenMP settings read once at process start: how torch's threads wait between parallel regions changes what the
+# `matmulnbits_cpu` kernel (its own threads) measures (docs/activations.md)
+OPENMP_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
 def environment() -> dict:
     """The machine and the libraries: CPU model, torch's CPU capability (AVX2 / AVX512 / AVX512_BF16 / AMX ...),
-    threads, CPU count, versions, load average."""
+    threads, CPU count, versions, the OpenMP variables set, load average."""
     return {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
             "transformers": transformers.__version__, "hqq": _version("hqq"), "river_hf": _version("river-hf"),
+            "onnxruntime": _version("onnxruntime"),
+            "openmp": {name: os.environ[name] for name in OPENMP_VARIABLES if name in os.environ},
             **kernel_choice.cpu_description(),
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
