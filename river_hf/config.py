@@ -79,7 +79,9 @@ class RiverQuantConfig(QuantizationConfigMixin):
                   f"may run on fbgemm's dynamic int8 linear ('w8a8_cpu', CPU), which rounds each token's "
                   f"activations to 7 bits: 2.2-2.3x a bf16 GEMV at 1B-model sizes on AVX2, at a fidelity cost "
                   f"(SmolLM2: 86.5% vs 97.7% match; docs/activations.md). 'auto' then prefers it; 'fastest' times "
-                  f"it with the others."},
+                  f"it with the others, and with onnxruntime installed (river-hf[ort]) also ONNX Runtime's "
+                  f"MatMulNBits ('matmulnbits_cpu': 4-bit twins, activations int8 per block), which "
+                  f"'fastest' takes where it times faster (AVX2, 1B shapes: ~2x torch's int4 kernel)."},
     )
     lora_twins: str = field(
         default="full_precision",

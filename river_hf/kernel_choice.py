@@ -189,8 +189,8 @@ def _copies(name: str, nbits: int, group_size: int | None, out_features: int, in
     count = count or max(1, min(MAX_COPIES, -(-2 * _cache_bytes() // max(nbytes, 1))))
     kernel_group = int4_kernel_group(in_features, group_size) if "scales_and_zeros" in buffers else None
     clones = [{key: t.clone() for key, t in buffers.items()} for _ in range(count - 1)]
-    prepack = kernel.prepack or (lambda packed: packed)
-    return [{"buffers": prepack(copy), "group": kernel_group} for copy in [buffers, *clones]]
+    prepack = kernel.prepack or (lambda packed, _nbits: packed)
+    return [{"buffers": prepack(copy, nbits), "group": kernel_group} for copy in [buffers, *clones]]
 
 
 def _cache_bytes() -> int:

@@ -8,12 +8,14 @@ fastest on this machine for a layer's shape.
 | `int8pack_cpu`      | CPU    | 8       | `aten._weight_int8pack_mm` (bf16) + a rank-1 zero-point correction      |
 | `int8pack_fp32_cpu` | CPU    | 8       | the same kernel with fp32 activations and scales (no bf16 conversions) |
 | `w8a8_cpu`          | CPU    | 8       | fbgemm's dynamic int8 linear: activations quantized per token (W8A8)    |
+| `matmulnbits_cpu`   | CPU    | 4, 8    | ONNX Runtime's MatMulNBits: activations int8 per block of K (`ort_kernel`)|
 | `dense`             | any    | any     | the dequantized HQQ weight in bf16, `F.linear`: the backbone's speed    |
 | `tinygemm_cuda`     | CUDA   | 2, 3, 4 | `aten._weight_int4pack_mm` (untested here: no GPU on the CI boxes)      |
 | `hqq`               | any    | any     | dequantizes the whole weight on every call: the slow reference          |
 
-`w8a8_cpu` is the one kernel that is not weight-only: it rounds each token's activations to 7 bits before an integer
-GEMM, so it costs fidelity the others do not, and a river uses it only when asked (`RiverQuantConfig(activations=
+`w8a8_cpu` and `matmulnbits_cpu` (river_hf.ort_kernel: int8 per block of K) are the kernels that are not
+weight-only. `w8a8_cpu` rounds each token's activations to 7 bits before an integer GEMM, so it costs fidelity the
+others do not, and a river uses it only when asked (`RiverQuantConfig(activations=
 "int8")`). It is there because on AVX2-only CPUs, where bf16 GEMVs and the int4 kernel are slow, its u8 x s8 GEMM
 is 2.2-2.3x a bf16 GEMV at Llama-3.2-1B's sizes, and slower at 576-wide ones (docs/activations.md).
 
@@ -29,6 +31,8 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from . import ort_kernel
 
 SUPPORTED_NBITS = (2, 3, 4, 8)
 # Group sizes the int4 kernels accept; a per-row (None) grouping is run as the largest of these that divides K.
@@ -116,7 +120,7 @@ def _pack_int8_fp32_cpu(codes, scale, zero, group_size, nbits):
     return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in packed.items()}
 
 
-def _prepack_w8a8_cpu(buffers):
+def _prepack_w8a8_cpu(buffers, nbits):
     """int8 codes and per-row scales -> what `_matmul_w8a8_cpu` reads: fbgemm's packed weight (an opaque
     ScriptObject, so not a buffer: remade from the buffers when they change) and the zero-point correction."""
     rows = buffers["qweight"].shape[0]
@@ -218,10 +222,13 @@ class Kernel(NamedTuple):
     matmul: Callable  # (buffers: {name: tensor}, int4 group size, x [M, K]) -> [M, N]
     codes: Callable  # module -> HQQ's codes [N, K]
     activation_dtype: torch.dtype | None  # what the kernel takes (None: the input's own dtype)
-    prepack: Callable | None = None  # buffers -> what `matmul` reads, when that is not the buffers themselves
+    prepack: Callable | None = None  # (buffers, nbits) -> what `matmul` reads, when that is not the buffers themselves
     quantizes_activations: bool = False  # rounds the activations too (a fidelity cost): used only when asked
     per_row: bool = False  # reads one (scale, zero) per output row: a group size is not used
     engines: tuple[str, ...] = ()  # the torch.backends.quantized.engine values it runs under (empty: any)
+    available: Callable[[], bool] = lambda: True  # whether the packages it needs are installed
+    # Whether backend="auto" may take it without measuring (it is faster than the weight-only kernels at any shape)
+    unmeasured_pick: bool = True
 
 
 KERNELS = {
@@ -241,6 +248,11 @@ KERNELS = {
         device_type="cpu", nbits=(8,), ops=("quantized::linear_dynamic", "quantized::linear_prepack"),
         pack=_pack_int8_fp32_cpu, matmul=_matmul_w8a8_cpu, codes=_codes_int8, activation_dtype=torch.float32,
         prepack=_prepack_w8a8_cpu, quantizes_activations=True, per_row=True, engines=("x86", "fbgemm")),
+    "matmulnbits_cpu": Kernel(
+        device_type="cpu", nbits=(4, 8), ops=(), pack=ort_kernel.pack,
+        matmul=lambda matmulnbits, group, x: matmulnbits(x), codes=ort_kernel.codes, activation_dtype=None,
+        prepack=ort_kernel.prepack, quantizes_activations=True, available=ort_kernel.available,
+        unmeasured_pick=False),  # ~5-20 µs per call: slower than torch's kernels at small shapes
     "dense": Kernel(
         device_type=None, nbits=SUPPORTED_NBITS, ops=(),
         pack=_pack_dense, matmul=_matmul_dense, codes=_codes_dense, activation_dtype=torch.bfloat16),
@@ -268,7 +280,7 @@ def runs(backend: str, nbits: int, device: torch.device) -> bool:
     kernel = KERNELS[backend]
     return (nbits in kernel.nbits and kernel.device_type in (None, device.type)
             and all(_has_op(op) for op in kernel.ops)
-            and (not kernel.engines or torch.backends.quantized.engine in kernel.engines))
+            and (not kernel.engines or torch.backends.quantized.engine in kernel.engines) and kernel.available())
 
 
 def shape_problem(backend: str, out_features: int, in_features: int, group_size: int | None) -> str | None:
@@ -279,6 +291,8 @@ def shape_problem(backend: str, out_features: int, in_features: int, group_size:
             return f"`out_features`={out_features} is not a multiple of {row_block}"
         if int4_kernel_group(in_features, group_size) is None:
             return f"`in_features`={in_features} is not a multiple of 32"
+    if backend == "matmulnbits_cpu":
+        return ort_kernel.shape_problem(out_features, in_features, group_size)
     if backend in ("int8pack_cpu", "int8pack_fp32_cpu") and in_features % 16:
         return f"`in_features`={in_features} is not a multiple of 16"  # the kernel segfaults otherwise (torch 2.13)
     return None

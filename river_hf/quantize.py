@@ -79,7 +79,8 @@ def backend_nbits(backend: str) -> tuple[int, ...]:
 
 
 def _fast_backend(nbits: int, device: torch.device, activations: str | None = None) -> str | None:
-    quantizing = tuple(name for name, kernel in KERNELS.items() if kernel.quantizes_activations)
+    quantizing = tuple(name for name, kernel in KERNELS.items()
+                       if kernel.quantizes_activations and kernel.unmeasured_pick)
     preferred = (quantizing if activations == "int8" else ()) + PREFERRED_BACKENDS
     return next((name for name in preferred if runs(name, nbits, device)), None)
 
@@ -264,9 +265,10 @@ class RiverQuantLinear(nn.Module):
 
     def _prepack(self) -> None:
         """`kernel_inputs`: what the kernel's matmul reads; the buffers themselves unless the kernel packs them into
-        an object of its own (fbgemm's weight for 'w8a8_cpu', remade whenever the buffers change)."""
+        an object of its own (fbgemm's weight for 'w8a8_cpu', an ONNX Runtime session for 'matmulnbits_cpu'; remade
+        whenever the buffers change)."""
         prepack = self.kernel.prepack
-        self.kernel_inputs = self._buffers if prepack is None else prepack(self._buffers)
+        self.kernel_inputs = self._buffers if prepack is None else prepack(self._buffers, self.nbits)
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)

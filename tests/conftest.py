@@ -108,6 +108,18 @@ def plain_copy_with_twins(river_model):
     return reference
 
 
+def assert_full_quantization_is_exact(river, prompt_ids, plain, start_layer: int = 2) -> None:
+    """A river with a quantized head: tau > 1 gives the backbone's tokens (`plain`); tau = -1 exits every step at
+    `start_layer`, keeps every KV slot, and gives the tokens of a plain model whose layers are the twins."""
+    assert torch.equal(generate(river, prompt_ids, tau=1.5).sequences, plain)  # nothing exits: the backbone
+    out = generate(river, prompt_ids, tau=-1)
+    assert (out.cache.exit_depth == start_layer).all()
+    out.cache.check_kv_integrity()
+    reference = plain_copy_with_twins(river)
+    reference.set_output_embeddings(reference.get_output_embeddings().quantized_head)
+    assert torch.equal(out.sequences, generate(reference, prompt_ids).sequences)
+
+
 # ---------------------------------------------------------------- generating
 
 RIVER_FIELDS = frozenset(f.name for f in dataclasses.fields(RiverSettings))

@@ -164,7 +164,7 @@ def test_resolve_backend_explicit():
     assert resolve_backend("hqq", 4, CPU) == "hqq"
     assert resolve_backend("int8pack_cpu", 8, CPU) == "int8pack_cpu"
     assert set(BACKENDS) == {"auto", "fastest", "int4pack_cpu", "int8pack_cpu", "int8pack_fp32_cpu", "w8a8_cpu",
-                             "dense", "tinygemm_cuda", "hqq"}
+                             "matmulnbits_cpu", "dense", "tinygemm_cuda", "hqq"}
 
 
 @pytest.mark.parametrize("kwargs, field", [

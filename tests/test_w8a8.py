@@ -16,7 +16,7 @@ from river_hf.kernel_choice import candidates
 from river_hf.kernels import runs
 from river_hf.quantize import RiverQuantLinear, resolve_backend
 
-from conftest import generate, plain_copy_with_twins, river_of, tiny_model
+from conftest import assert_full_quantization_is_exact, generate, river_of, tiny_model
 
 CPU = torch.device("cpu")
 IN, OUT = 256, 128
@@ -117,12 +117,6 @@ def test_river_invariants_with_w8a8_twins_and_head(prompt_ids):
     river = river_of(model, nbits=8, group_size=None, quantize_lm_head=True, activations="int8")
     backends = {m.backend for m in river.modules() if isinstance(m, RiverQuantLinear)}
     assert backends == {"w8a8_cpu"}
-    assert torch.equal(generate(river, prompt_ids, tau=1.5).sequences, plain)  # nothing exits: the backbone
-    out = generate(river, prompt_ids, tau=-1)
-    assert (out.cache.exit_depth == 2).all()
-    out.cache.check_kv_integrity()
-    reference = plain_copy_with_twins(river)
-    reference.set_output_embeddings(reference.get_output_embeddings().quantized_head)
-    assert torch.equal(out.sequences, generate(reference, prompt_ids).sequences)
+    assert_full_quantization_is_exact(river, prompt_ids, plain)
     river_hf.remove_river(river)
     assert torch.equal(generate(model, prompt_ids).sequences, plain)
