@@ -19,6 +19,7 @@ onnxruntime and onnx are optional (`pip install river-hf[ort]`); without them th
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 import numpy as np
 import torch
@@ -89,10 +90,16 @@ class MatMulNBits:
         rows, groups, group_bytes = buffers["qweight"].shape
         self.in_features, self.out_features = groups * group_bytes * 8 // nbits, rows
         self.session = _session(buffers, self.in_features, rows, self.in_features // groups, nbits)
-        # A decode step's single row goes through buffers bound once: binding costs more than the run itself
-        self._row_in = torch.empty(1, self.in_features)
-        self._row_out = torch.empty(1, rows)
-        self._row_binding = self._bind(self._row_in, self._row_out)
+        # A decode step's single row goes through buffers bound once (binding costs more than the run itself), one
+        # set per thread: two threads generating with one model must not share them
+        self._per_thread = threading.local()
+
+    def _row_binding(self):
+        bound = getattr(self._per_thread, "row", None)
+        if bound is None:
+            row_in, row_out = torch.empty(1, self.in_features), torch.empty(1, self.out_features)
+            bound = self._per_thread.row = (row_in, row_out, self._bind(row_in, row_out))
+        return bound
 
     def __reduce__(self):
         return MatMulNBits, self._source
@@ -106,9 +113,10 @@ class MatMulNBits:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows == 1:
-            self._row_in.copy_(x)
-            self.session.run_with_iobinding(self._row_binding)
-            return self._row_out.clone()  # the bound row is reused by the next call
+            row_in, row_out, binding = self._row_binding()
+            row_in.copy_(x)
+            self.session.run_with_iobinding(binding)
+            return row_out.clone()  # the bound row is reused by the next call
         x = x.float().contiguous()  # held here: the binding keeps only its address
         y = torch.empty(rows, self.out_features)
         self.session.run_with_iobinding(self._bind(x, y))

@@ -5,6 +5,7 @@ weight, float zero points included, times activations rounded to int8 per block)
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -66,6 +67,23 @@ def test_dtypes_shapes_and_rows_alone():
     kept = first.clone()
     quantized(x[1, :1])
     assert torch.equal(first, kept)
+
+
+def test_threads_decoding_at_once_get_their_own_rows():
+    _, quantized = twin(4, bias=False)
+    inputs = [torch.randn(1, IN) for _ in range(4)]
+    expected = [quantized(x) for x in inputs]
+    results = {}
+
+    def decode(index):
+        results[index] = [quantized(inputs[index]) for _ in range(200)]
+
+    threads = [threading.Thread(target=decode, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(y, expected[index]) for index, ys in results.items() for y in ys)
 
 
 def test_copies_loaded_state_and_stored_codes_compute_the_same():
