@@ -242,7 +242,9 @@ def cpu_description() -> dict:
 def machine_identity(device: torch.device) -> dict:
     """Everything a kernel timing depends on besides the layer's shape and the thread count."""
     device = torch.device(device)
-    identity = {"store_version": STORE_VERSION, "torch": torch.__version__, "kernels": sorted(KERNELS),
+    # The kernels this install can run (one whose package is installed later makes the earlier choices stale)
+    kernels = sorted(name for name, kernel in KERNELS.items() if kernel.available())
+    identity = {"store_version": STORE_VERSION, "torch": torch.__version__, "kernels": kernels,
                 "device": device.type}
     if device.type == "cuda":
         identity["gpu"] = torch.cuda.get_device_name(device)

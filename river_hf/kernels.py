@@ -8,7 +8,7 @@ fastest on this machine for a layer's shape.
 | `int8pack_cpu`      | CPU    | 8       | `aten._weight_int8pack_mm` (bf16) + a rank-1 zero-point correction      |
 | `int8pack_fp32_cpu` | CPU    | 8       | the same kernel with fp32 activations and scales (no bf16 conversions) |
 | `w8a8_cpu`          | CPU    | 8       | fbgemm's dynamic int8 linear: activations quantized per token (W8A8)    |
-| `matmulnbits_cpu`   | CPU    | 4, 8    | ONNX Runtime's MatMulNBits: activations int8 per block of K (`ort_kernel`)|
+| `matmulnbits_cpu`   | CPU    | 4, 8    | ONNX Runtime's MatMulNBits: activations int8 per block of K             |
 | `dense`             | any    | any     | the dequantized HQQ weight in bf16, `F.linear`: the backbone's speed    |
 | `tinygemm_cuda`     | CUDA   | 2, 3, 4 | `aten._weight_int4pack_mm` (untested here: no GPU on the CI boxes)      |
 | `hqq`               | any    | any     | dequantizes the whole weight on every call: the slow reference          |
@@ -252,7 +252,7 @@ KERNELS = {
         device_type="cpu", nbits=(4, 8), ops=(), pack=ort_kernel.pack,
         matmul=lambda matmulnbits, group, x: matmulnbits(x), codes=ort_kernel.codes, activation_dtype=None,
         prepack=ort_kernel.prepack, quantizes_activations=True, available=ort_kernel.available,
-        unmeasured_pick=False),  # ~5-20 µs per call: slower than torch's kernels at small shapes
+        unmeasured_pick=False),  # its per-call overhead makes it slower than torch's kernels at small shapes
     "dense": Kernel(
         device_type=None, nbits=SUPPORTED_NBITS, ops=(),
         pack=_pack_dense, matmul=_matmul_dense, codes=_codes_dense, activation_dtype=torch.bfloat16),

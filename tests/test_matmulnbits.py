@@ -14,7 +14,7 @@ from torch import nn
 
 import river_hf
 from river_hf import RiverQuantConfig, ort_kernel
-from river_hf.kernel_choice import candidates
+from river_hf.kernel_choice import candidates, machine_identity
 from river_hf.kernels import KERNELS, dequantize, runs
 from river_hf.quantize import RiverQuantLinear, resolve_backend
 
@@ -112,9 +112,12 @@ def test_offered_only_with_int8_activations_and_a_group_size():
 
 
 def test_not_offered_without_onnxruntime(monkeypatch):
+    with_it = machine_identity(CPU)
     monkeypatch.setattr(ort_kernel.importlib.util, "find_spec", lambda name: None)
     assert not runs("matmulnbits_cpu", 4, CPU)
     assert "matmulnbits_cpu" not in candidates(4, GROUP, OUT, IN, CPU, activations="int8")
+    # kernel choices remembered without it are not reused once it is installed (another machine identity)
+    assert "matmulnbits_cpu" in with_it["kernels"] and "matmulnbits_cpu" not in machine_identity(CPU)["kernels"]
 
 
 def test_bad_settings_name_the_field():
