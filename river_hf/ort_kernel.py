@@ -70,6 +70,17 @@ def _zero_points(zero: torch.Tensor, nbits: int) -> torch.Tensor:  # uint8 [N, G
     return _two_per_byte(zero).reshape(-1)
 
 
+def concatenate(buffer_sets: list[dict]) -> dict:
+    """The buffers of linears that share K, bits and group size, stacked along N (output features) in order: one
+    MatMulNBits call for them all (river_hf.shared_inputs)."""
+    def stacked(name, dim=0):
+        return torch.cat([buffers[name] for buffers in buffer_sets], dim=dim).contiguous()
+
+    # kernel_scale and kernel_zero are flat but laid out row after row (4-bit zero points padded per row)
+    return {"qweight": stacked("qweight"), "kernel_scale": stacked("kernel_scale"),
+            "kernel_zero": stacked("kernel_zero"), "zero_residual": stacked("zero_residual", dim=1)}
+
+
 def codes(module) -> torch.Tensor:
     """The [N, K] codes back from the packed bytes."""
     packed = module.qweight
@@ -97,7 +108,10 @@ class MatMulNBits:
     def _row_binding(self):
         bound = getattr(self._per_thread, "row", None)
         if bound is None:
-            row_in, row_out = torch.empty(1, self.in_features), torch.empty(1, self.out_features)
+            # Normal tensors even when the first call runs under torch.inference_mode: an inference tensor cannot be
+            # written in place by a later call outside it
+            with torch.inference_mode(False):
+                row_in, row_out = torch.empty(1, self.in_features), torch.empty(1, self.out_features)
             bound = self._per_thread.row = (row_in, row_out, self._bind(row_in, row_out))
         return bound
 

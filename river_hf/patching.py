@@ -20,6 +20,7 @@ from .lm_head import RiverLMHead, install_lm_head, remove_lm_head
 from .offload import reload_backbone
 from .passes import hook_passes
 from .quantize import RiverQuantLinear
+from .shared_inputs import fuse_shared_inputs
 from .twin_store import fingerprint, read_stored_twins
 
 _RIVER_CLASSES: dict[type, type] = {}
@@ -60,6 +61,9 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
     for idx in tqdm(to_quantize, desc="river: quantizing twins", disable=not progress or not to_quantize,
                     leave=False):  # no bar when every twin came from the store: nothing is quantized
         wrapped[idx].twin = _twin(layers[idx], idx, quant_config)
+    for layer in wrapped:
+        if layer.twin is not None:
+            fuse_shared_inputs(layer.twin, quant_config)
     for idx, layer in enumerate(wrapped):  # only now, with every twin built: an error above leaves no trace
         layers[idx] = layer
     if lm_head is not None:

@@ -137,3 +137,13 @@ def test_module_precision_example_measures_every_mix(saved_tiny_model, capsys):
     limits = {name: mix["byte_limit"] for name, mix in mixes.items()}
     assert limits["all 4-bit"] > limits["8-bit, up 4-bit"] > limits["all 8-bit"] > 1  # fewer bits, fewer bytes
     assert "| all 8-bit |" in capsys.readouterr().out
+
+
+def test_shared_inputs_example_times_grouped_and_ungrouped_twins(capsys):
+    pytest.importorskip("onnxruntime")
+    result = load_example("shared_inputs").main(["--random-model", "tiny-test", "--backend", "matmulnbits_cpu",
+                                                 "--rounds", "1", "--max-new-tokens", "3"])
+    assert result["members"] == 5  # the one twin layer: q, k, v and gate, up
+    assert set(result["ms_per_token"]) == {"backbone", "full-quant, groups fused", "full-quant, one call per linear"}
+    assert all(ms > 0 for ms in result["ms_per_token"].values())
+    assert "groups fused" in capsys.readouterr().out

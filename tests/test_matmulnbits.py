@@ -86,6 +86,17 @@ def test_threads_decoding_at_once_get_their_own_rows():
     assert all(torch.equal(y, expected[index]) for index, ys in results.items() for y in ys)
 
 
+def test_a_first_call_under_inference_mode_leaves_later_calls_working():
+    """The decode row's bound buffers are made on the first call; made as inference tensors, a later call outside
+    inference mode could not write to them (this failed in a bench whose first step ran under inference_mode)."""
+    _, quantized = twin(4, bias=False)
+    x = torch.randn(1, IN)
+    with torch.inference_mode():
+        first = quantized(x)
+    with torch.no_grad():
+        assert torch.equal(quantized(x), first)
+
+
 def test_copies_loaded_state_and_stored_codes_compute_the_same():
     _, quantized = twin(4, seed=0)
     _, other = twin(4, seed=3)
