@@ -158,6 +158,7 @@ class RiverQuantConfig(QuantizationConfigMixin):
             raise ValueError(f"`quantize_lm_head` must be True or False; got {self.quantize_lm_head!r}.")
         check_choice("lm_head_nbits", self.lm_head_nbits, SUPPORTED_NBITS)
         self._check_backend_runs_every_width()
+        self._check_grouped_codes()
         self._check_offload()
 
     def _check_offload(self) -> None:
@@ -190,6 +191,22 @@ class RiverQuantConfig(QuantizationConfigMixin):
                     f"`backend`={self.backend!r} runs only {'/'.join(map(str, supported))}-bit weights, but `{name}` "
                     f"asks for {bits} bits; use backend='auto' (it picks the kernel per layer) or 'hqq'."
                 )
+
+    def _check_grouped_codes(self) -> None:
+        """'matmulnbits_cpu' reads grouped codes only; a schedule's 8-bit layers and an 8-bit LM head are per row."""
+        if self.backend != "matmulnbits_cpu":
+            return
+        if self.group_size is None:
+            raise ValueError("`backend`='matmulnbits_cpu' needs grouped codes, but `group_size` is None; set it "
+                             "(e.g. 64).")
+        if self.is_schedule and PER_ROW_NBITS in self.schedule_bits():
+            raise ValueError(f"`backend`='matmulnbits_cpu' needs grouped codes, but `nbits`={self.nbits!r} gives "
+                             f"some twins 8 bits with one scale per row; use nbits=4 (or a single 8), or "
+                             f"backend='fastest' (it picks a per-row kernel for those layers).")
+        if self.quantize_lm_head and self.lm_head_group_size is None:
+            raise ValueError(f"`backend`='matmulnbits_cpu' needs grouped codes, but `lm_head_nbits`="
+                             f"{self.lm_head_nbits} quantizes the LM head with one scale per row; use "
+                             f"quantize_lm_head=False, lm_head_nbits=4, or backend='fastest'.")
 
     @classmethod
     def schedule(cls, num_layers: int, first_layers: int, first_bits: int = 8, rest_bits: int = 4,

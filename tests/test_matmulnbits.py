@@ -136,6 +136,15 @@ def test_bad_settings_name_the_field():
         RiverQuantConfig(backend="matmulnbits_cpu", quantize_lm_head=False)
     with pytest.raises(ValueError, match="`backend`='matmulnbits_cpu' cannot run this layer: per-row codes"):
         RiverQuantLinear.from_linear(nn.Linear(IN, OUT), 8, None, backend="matmulnbits_cpu", activations="int8")
+    # Per-row codes (an 8-bit head, a schedule's 8-bit layers, no group size) are refused by the config, naming the field
+    ort = dict(backend="matmulnbits_cpu", activations="int8")
+    with pytest.raises(ValueError, match="`lm_head_nbits`=8 quantizes the LM head with one scale per row"):
+        RiverQuantConfig(nbits=4, **ort)
+    with pytest.raises(ValueError, match="`nbits`='auto' gives some twins 8 bits with one scale per row"):
+        RiverQuantConfig(quantize_lm_head=False, **ort)
+    with pytest.raises(ValueError, match="`group_size` is None"):
+        RiverQuantConfig(nbits=4, group_size=None, quantize_lm_head=False, **ort)
+    assert RiverQuantConfig(nbits=4, lm_head_nbits=4, **ort).backend == "matmulnbits_cpu"
     assert "`group_size`=48" in ort_kernel.shape_problem(OUT, 96, 48)  # not a power of two
     assert ort_kernel.shape_problem(OUT, 96, 32) is None
 
