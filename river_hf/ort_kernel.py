@@ -19,7 +19,9 @@ onnxruntime and onnx are optional (`pip install river-hf[ort]`); without them th
 from __future__ import annotations
 
 import importlib.util
+import os
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -31,6 +33,26 @@ _ACCURACY_LEVEL = 4
 # the cores between calls) cost more than it saved (ad-hoc timings on a 2-core AVX2 EPYC: 58 vs 104 µs at 576x192,
 # 95 vs 115 at 576x1536; from 2048x2048 up two threads won: 294 vs 363 µs, 895 vs 1440 at 2048x8192).
 _ONE_THREAD_BELOW = 1 << 22
+
+
+# How torch's OpenMP threads wait after a parallel region: read once, when torch loads its OpenMP runtime, so river_hf
+# cannot change it for a running process. Spinning threads take the core ONNX Runtime's second thread needs.
+OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def warn_if_openmp_spins() -> None:
+    """Say once, where twins run on this kernel with more than one thread, that torch's OpenMP threads spin by
+    default and how to stop it (measured in docs/activations.md)."""
+    if _torch_threads() > 1 and not any(name in os.environ for name in OPENMP_WAIT_VARIABLES):
+        warnings.warn("river_hf: some twins run on 'matmulnbits_cpu' (ONNX Runtime), whose second thread shares a "
+                      "core with torch's OpenMP threads while they spin after each parallel region. Export "
+                      "GOMP_SPINCOUNT=10000 before starting Python: at Llama-3.2-1B's shape on a 2-core AVX2 CPU "
+                      "full quantization ran 1.49x the backbone without it, 1.57-2.12x with it "
+                      "(docs/activations.md).", UserWarning, stacklevel=3)
+
+
+def _torch_threads() -> int:
+    return torch.get_num_threads()
 
 
 def available() -> bool:

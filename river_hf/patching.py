@@ -15,7 +15,8 @@ from .adapters import river_host
 from .architectures import UnsupportedModelError, find_decoder_layers, output_embedding
 from .config import RiverQuantConfig
 from .generation import RiverGenerationMixin
-from .layers import AdapterLoadingMixin, AdapterSavingMixin, RiverLayer, make_twin
+from . import ort_kernel
+from .layers import AdapterLoadingMixin, AdapterSavingMixin, RiverLayer, make_twin, twin_linears
 from .lm_head import RiverLMHead, install_lm_head, remove_lm_head
 from .offload import reload_backbone
 from .passes import hook_passes
@@ -64,6 +65,8 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
     for layer in wrapped:
         if layer.twin is not None:
             fuse_shared_inputs(layer.twin, quant_config)
+    if _runs_on_onnxruntime(wrapped, lm_head):
+        ort_kernel.warn_if_openmp_spins()
     for idx, layer in enumerate(wrapped):  # only now, with every twin built: an error above leaves no trace
         layers[idx] = layer
     if lm_head is not None:
@@ -71,6 +74,12 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
     wrapped[0].pass_hooks = hook_passes(model)
     model.__class__ = _river_class(type(model))
     return model
+
+
+def _runs_on_onnxruntime(wrapped: list[RiverLayer], lm_head: RiverLMHead | None) -> bool:
+    linears = [linear for layer in wrapped if layer.twin is not None for linear in twin_linears(layer.twin)]
+    linears += [lm_head.quantized_head] if lm_head is not None else []
+    return any(getattr(linear, "backend", None) == "matmulnbits_cpu" for linear in linears)
 
 
 def _twin(layer: nn.Module, idx: int, quant_config: RiverQuantConfig) -> nn.Module:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 
 import pytest
 import torch
@@ -172,6 +173,22 @@ def test_bench_records_name_the_openmp_settings_and_onnxruntime(monkeypatch):
     env = environment()
     assert env["openmp"].get("GOMP_SPINCOUNT") == "10000" and "OMP_WAIT_POLICY" not in env["openmp"]
     assert env["onnxruntime"]
+
+
+@pytest.mark.parametrize("variable", [None, "GOMP_SPINCOUNT", "OMP_WAIT_POLICY"])
+def test_a_build_on_it_says_how_to_stop_openmp_spinning_unless_set(monkeypatch, variable):
+    for name in ort_kernel.OPENMP_WAIT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    if variable is not None:
+        monkeypatch.setenv(variable, "10000" if variable == "GOMP_SPINCOUNT" else "PASSIVE")
+    monkeypatch.setattr(ort_kernel, "_torch_threads", lambda: 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        river_of(tiny_model("llama"), nbits=4, group_size=GROUP, quantize_lm_head=False, activations="int8",
+                 backend="matmulnbits_cpu")
+        river_of(tiny_model("llama"), nbits=4, group_size=GROUP, quantize_lm_head=False)  # int4pack: never
+    spinning = [w for w in caught if "GOMP_SPINCOUNT=10000" in str(w.message)]
+    assert len(spinning) == (1 if variable is None else 0)
 
 
 def test_a_saved_river_with_matmulnbits_twins_loads_without_hqq_and_generates_the_same(tmp_path):

@@ -26,7 +26,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from .. import kernel_choice
+from .. import kernel_choice, ort_kernel
 from ..models import build_chat_inputs
 from ..layers import river_layers
 from ..patching import is_river
@@ -215,7 +215,7 @@ def peak_rss_bytes() -> int:
 
 # OpenMP settings read once at process start: how torch's threads wait between parallel regions changes what the
 # `matmulnbits_cpu` kernel (its own threads) measures (docs/activations.md)
-OPENMP_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+OPENMP_VARIABLES = ("OMP_NUM_THREADS", *ort_kernel.OPENMP_WAIT_VARIABLES)
 
 
 def environment() -> dict:
