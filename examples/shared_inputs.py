@@ -3,10 +3,13 @@ make decoding faster than one call per linear? Measured in one process, interlea
 
     python examples/shared_inputs.py                                  # Llama-3.2-1B's shape, 4 rounds of 32 tokens
     python examples/shared_inputs.py --random-model smollm2-135m --backend matmulnbits_cpu
+    python examples/shared_inputs.py --group-everything   # also q/k/v grouped where "fastest" left them apart
 
-The river: 4-bit twins (group 64), `activations="int8"`, backbone LM head. Three systems take turns after a
+The river: 4-bit twins (group 64), `activations="int8"`, backbone LM head. The systems take turns after a
 warm-up: the backbone, full quantization (tau=-1: every step leaves after layer 0) with the groups fused, and the
-same with every member on its own session again. Prints ms/token per round and the medians' ratios. Export
+same with every member on its own session again; with `--group-everything` a fourth, where the sibling sets the
+build left apart (e.g. q/k/v on torch's int4 kernel) are grouped on `matmulnbits_cpu` too. Prints ms/token per
+round and the medians' ratios. Export
 GOMP_SPINCOUNT=10000 before Python for the setting docs/activations.md recommends (torch's OpenMP threads spinning
 after each region slow ONNX Runtime's second thread).
 """
@@ -24,7 +27,9 @@ from river_hf.bench.shapes import SHAPES, random_model, random_prompts
 from river_hf.bench.speed import time_generate
 from river_hf.layers import river_layers
 from river_hf.quantize import RiverQuantLinear, plain_rounding
-from river_hf.shared_inputs import GroupMember, unfuse
+from river_hf.shared_inputs import GroupMember, group_siblings, sibling_groups, unfuse
+
+EVERYTHING = "full-quant, every set grouped"
 
 
 def members_and_groups(model) -> list[tuple[RiverQuantLinear, GroupMember]]:
@@ -33,12 +38,27 @@ def members_and_groups(model) -> list[tuple[RiverQuantLinear, GroupMember]]:
             if isinstance(module, RiverQuantLinear) and isinstance(module.kernel_inputs, GroupMember)]
 
 
+def forced_groups(model) -> list[tuple]:
+    """The sibling sets the build left apart, grouped anyway: (parent, names, built members, grouped members); the
+    built ones are put back in place."""
+    forced = []
+    for layer in river_layers(model):
+        for parent, names in sibling_groups(layer.twin) if layer.twin is not None else []:
+            built = [parent._modules[name] for name in names]
+            if not isinstance(built[0].kernel_inputs, GroupMember):
+                forced.append((parent, names, built, group_siblings(parent, names)))
+                parent._modules.update(zip(names, built))
+    return forced
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--random-model", choices=sorted(SHAPES), default="llama-3.2-1b")
-    parser.add_argument("--backend", choices=["fastest", "matmulnbits_cpu"], default="fastest")
+    parser.add_argument("--backend", choices=["fastest", "matmulnbits_cpu", "auto"], default="fastest")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--group-everything", action="store_true",
+                        help="Also time every sibling set grouped on matmulnbits_cpu, those 'fastest' left apart.")
     args = parser.parse_args(argv)
 
     model = random_model(args.random_model)
@@ -46,8 +66,10 @@ def main(argv=None) -> dict:
         build_river(model, RiverQuantConfig(nbits=4, group_size=64, backend=args.backend, activations="int8",
                                             quantize_lm_head=False), progress=False)
     fused = members_and_groups(model)
-    if not fused:
-        raise SystemExit("No group was fused on this machine (backend 'fastest' timed it slower): nothing to compare.")
+    forced = forced_groups(model) if args.group_everything else []
+    if not fused and not forced:
+        raise SystemExit("No group was fused on this machine (backend 'fastest' timed it slower): nothing to compare "
+                         "(--group-everything times them grouped anyway).")
     for layer in river_layers(model):
         if layer.twin is not None:
             unfuse(layer.twin)  # every member gets its own session, kept for the unfused system
@@ -55,11 +77,15 @@ def main(argv=None) -> dict:
     inputs = random_prompts(model.config.vocab_size, 1)[0]
     fixed = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False)
     systems = {"backbone": None, "full-quant, groups fused": True, "full-quant, one call per linear": False}
+    if forced:
+        systems[EVERYTHING] = True
 
     def run(name: str) -> float:
         use_groups = systems[name]
         for (module, member), session in zip(fused, own_sessions):
             module.kernel_inputs = member if use_groups else session
+        for parent, names, built, grouped in forced:
+            parent._modules.update(zip(names, grouped if name == EVERYTHING else built))
         config = GenerationConfig(**fixed) if use_groups is None else RiverConfig(tau=-1.0, exit_signal="cosine",
                                                                                   **fixed)
         return 1000.0 / time_generate(model, inputs, config).decode_tokens_per_s
@@ -76,7 +102,9 @@ def main(argv=None) -> dict:
     for name, values in ms.items():
         print(f"{name:32s} {median[name]:7.2f} ms/token, {median['backbone'] / median[name]:.2f}x the backbone "
               f"(rounds: {', '.join(f'{value:.1f}' for value in values)})")
-    return {"ms_per_token": median, "rounds": ms, "members": len(fused)}
+    for parent, names, built, _ in forced:
+        parent._modules.update(zip(names, built))  # the model leaves as it was built
+    return {"ms_per_token": median, "rounds": ms, "members": len(fused), "forced_sets": len(forced)}
 
 
 if __name__ == "__main__":

@@ -108,16 +108,21 @@ def fuse_shared_inputs(twin: nn.Module, quant_config) -> int:
         return 0
     fused = 0
     for parent, names in sibling_groups(twin):
-        members = [parent._modules[name] for name in names]
-        if not _fusion_pays(members, quant_config.backend):
-            continue
-        members = [_on_kernel(member) for member in members]
-        group = SharedInputGroup(members)
-        for index, (name, member) in enumerate(zip(names, members)):
-            member.kernel_inputs = GroupMember(group, index)
-            parent._modules[name] = member
-        fused += 1
+        if _fusion_pays([parent._modules[name] for name in names], quant_config.backend):
+            group_siblings(parent, names)
+            fused += 1
     return fused
+
+
+def group_siblings(parent: nn.Module, names: tuple[str, ...]) -> list[RiverQuantLinear]:
+    """Put `parent`'s linears `names` into one group, whether it pays or not (repacked onto KERNEL where they run on
+    another kernel); returns the members now in place."""
+    members = [on_matmulnbits(parent._modules[name]) for name in names]
+    group = SharedInputGroup(members)
+    for index, (name, member) in enumerate(zip(names, members)):
+        member.kernel_inputs = GroupMember(group, index)
+        parent._modules[name] = member
+    return members
 
 
 def _fusion_pays(members: list[RiverQuantLinear], backend: str) -> bool:
@@ -138,7 +143,7 @@ def _fusion_pays(members: list[RiverQuantLinear], backend: str) -> bool:
     return stacked.microseconds[KERNEL] * TIE_MARGIN <= own
 
 
-def _on_kernel(member: RiverQuantLinear) -> RiverQuantLinear:
+def on_matmulnbits(member: RiverQuantLinear) -> RiverQuantLinear:
     """`member` itself if it runs on KERNEL, else the same codes repacked for it (its fingerprint carried over)."""
     if member.backend == KERNEL:
         return member

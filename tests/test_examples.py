@@ -147,3 +147,11 @@ def test_shared_inputs_example_times_grouped_and_ungrouped_twins(capsys):
     assert set(result["ms_per_token"]) == {"backbone", "full-quant, groups fused", "full-quant, one call per linear"}
     assert all(ms > 0 for ms in result["ms_per_token"].values())
     assert "groups fused" in capsys.readouterr().out
+
+
+def test_shared_inputs_example_can_group_what_the_build_left_apart():
+    pytest.importorskip("onnxruntime")
+    # 'auto' builds int4pack twins and groups nothing: --group-everything times them grouped
+    result = load_example("shared_inputs").main(["--random-model", "tiny-test", "--backend", "auto", "--rounds", "1",
+                                                 "--max-new-tokens", "3", "--group-everything"])
+    assert result["forced_sets"] == 2 and "full-quant, every set grouped" in result["ms_per_token"]
