@@ -1,8 +1,8 @@
 """Twin linears that read the same input run as one `matmulnbits_cpu` call: attention's q/k/v projections, the MLP's
 gate/up projections.
 
-Why: each ONNX Runtime call costs tens of µs besides its matmul (the session run, waking its second thread), paid
-~7 times per layer and step. One call for q, k and v (and one for gate and up) pays it 4 times instead of 7. HF's
+Why: each ONNX Runtime call costs time besides its matmul (the session run, waking its second thread), paid ~7
+times per layer and step. One call for q, k and v (and one for gate and up) pays it 4 times instead of 7. HF's
 attention and MLP code stays as it is: it still calls `q_proj(h)`, `k_proj(h)`, `v_proj(h)` one after the other.
 The group's first member to be called computes every member's rows in one run and keeps the others' parts for their
 own calls, which take them if they get the same input (same storage, shape and version counter: nothing wrote to it
@@ -14,12 +14,10 @@ session, is replaced by the group's. Moving or re-loading a member (`_apply`, `l
 session of its own: slower, still exact.
 
 When (`activations="int8"` and `backend` "fastest" or "matmulnbits_cpu"): where every member already runs on
-`matmulnbits_cpu` (fewer calls of the same kernel: measured faster end to end, examples/shared_inputs.py). With
-`backend="fastest"`, also where the concatenated shape timed on `matmulnbits_cpu` beats the members' own chosen
+`matmulnbits_cpu` (fewer calls of the same kernel: 1.09-1.20x faster decoding at SmolLM2's size, never slower at
+1B; examples/shared_inputs.py, docs/activations.md). With `backend="fastest"`, also where the concatenated shape timed on `matmulnbits_cpu` beats the members' own chosen
 kernels summed by `TIE_MARGIN` (river_hf.kernel_choice; the concatenated shape's timing is one more entry in
 `measured_choices()`); its members then run on `matmulnbits_cpu` even where another kernel won at their own shape.
-Back-to-back GEMV timings miss part of what a group saves (ONNX Runtime's second thread, asleep between calls in
-a real step, wakes once per call), so that second rule is conservative.
 """
 
 from __future__ import annotations
@@ -130,7 +128,7 @@ def _fusion_pays(members: list[RiverQuantLinear], backend: str) -> bool:
     if ort_kernel.shape_problem(first.out_features, first.in_features, first.group_size) is not None:
         return False
     if all(member.backend == KERNEL for member in members):
-        return True  # fewer calls, same kernel: measured faster end to end (docs/activations.md)
+        return True  # fewer calls, same kernel: never slower end to end, faster at small layers (docs/activations.md)
     if backend == KERNEL:
         return False
     total = sum(member.out_features for member in members)
