@@ -9,9 +9,8 @@ The river: 4-bit twins (group 64), `activations="int8"`, backbone LM head. The s
 warm-up: the backbone, full quantization (tau=-1: every step leaves after layer 0) with the groups fused, and the
 same with every member on its own session again; with `--group-everything` a fourth, where the sibling sets the
 build left apart (e.g. q/k/v on torch's int4 kernel) are grouped on `matmulnbits_cpu` too. Prints ms/token per
-round and the medians' ratios. Export
-GOMP_SPINCOUNT=10000 before Python for the setting docs/activations.md recommends (torch's OpenMP threads spinning
-after each region slow ONNX Runtime's second thread).
+round and the medians' ratios. Export GOMP_SPINCOUNT=10000 before Python for the setting docs/activations.md
+recommends (torch's OpenMP threads spinning after each region slow ONNX Runtime's second thread).
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ class RiverQuantConfig(QuantizationConfigMixin):
                   f"(SmolLM2: 86.5% vs 97.7% match; docs/activations.md). 'auto' then prefers it; 'fastest' times "
                   f"it with the others, and with onnxruntime installed (river-hf[ort]) also ONNX Runtime's "
                   f"MatMulNBits ('matmulnbits_cpu': 4-bit twins, activations int8 per block), which "
-                  f"'fastest' takes where it times faster (AVX2, 1B shapes: ~2x torch's int4 kernel)."},
+                  f"'fastest' takes where it times faster (AVX2, 1B shapes, GOMP_SPINCOUNT=10000: 1.3-2.1x torch's "
+                  f"int4 kernel per GEMV in the records of docs/activations.md)."},
     )
     lora_twins: str = field(
         default="full_precision",

@@ -2,8 +2,9 @@
 
 Why a second runtime: on AVX2-only CPUs torch 2.13 has no fast 4-bit GEMV (its int4 kernel gains ~1.4x over a bf16
 GEMV at Llama-3.2-1B's shapes, bound by unpacking), while ONNX Runtime's MLAS kernel, with `accuracy_level=4`,
-rounds the activations to int8 per block of K and runs integer dot products: 2.7-2.9x a bf16 GEMV at those shapes
-when torch's OpenMP threads do not spin long (`GOMP_SPINCOUNT=10000`; docs/activations.md). It quantizes
+rounds the activations to int8 per block of K and runs integer dot products: 2.2-2.9x a bf16 GEMV at its 2048x8192
+and 8192x2048 shapes when torch's OpenMP threads do not spin long (`GOMP_SPINCOUNT=10000`; build timings in the
+AVX2 records of docs/activations.md). It quantizes
 activations, so it is a `quantizes_activations` kernel: a river uses it only with `RiverQuantConfig(activations=
 "int8")`. Each call also pays ONNX Runtime's own overhead, so at small shapes (SmolLM2's 576-wide linears) it loses
 to torch's kernels and `backend="fastest"` does not pick it.

@@ -14,8 +14,8 @@ session, is replaced by the group's. Moving or re-loading a member (`_apply`, `l
 session of its own: slower, still exact.
 
 When (`activations="int8"` and `backend` "fastest" or "matmulnbits_cpu"): where every member already runs on
-`matmulnbits_cpu` (fewer calls of the same kernel: 1.09-1.20x faster decoding at SmolLM2's size, never slower at
-1B; examples/shared_inputs.py, docs/activations.md). With `backend="fastest"`, also where the concatenated shape timed on `matmulnbits_cpu` beats the members' own chosen
+`matmulnbits_cpu` (fewer calls of the same kernel: on a 2-core AVX2 CPU 1.09-1.20x faster decoding at SmolLM2's
+size, never slower at 1B; examples/shared_inputs.py, docs/activations.md). With `backend="fastest"`, also where the concatenated shape timed on `matmulnbits_cpu` beats the members' own chosen
 kernels summed by `TIE_MARGIN` (river_hf.kernel_choice; the concatenated shape's timing is one more entry in
 `measured_choices()`); its members then run on `matmulnbits_cpu` even where another kernel won at their own shape.
 """
@@ -45,8 +45,11 @@ class SharedInputGroup:
                                           members[0].nbits)
         self._pending = threading.local()  # per thread: two threads generating with one model
 
-    def __reduce__(self):  # deepcopy / pickle: the session rebuilds itself, nothing is pending
-        return _rebuilt_group, (self.sizes, self.session)
+    def __getstate__(self):  # deepcopy / pickle: the session rebuilds itself, nothing pending is copied
+        return {"sizes": self.sizes, "session": self.session}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _pending=threading.local())
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Member `index`'s rows of x [M, K] @ W.T (fp32 [M, N_index])."""
@@ -62,12 +65,6 @@ class SharedInputGroup:
         # The input itself is kept too: its storage cannot be freed and reused by another tensor while it is a key
         self._pending.parts = (key, parts, x)
         return part
-
-
-def _rebuilt_group(sizes, session) -> SharedInputGroup:
-    group = SharedInputGroup.__new__(SharedInputGroup)
-    group.sizes, group.session, group._pending = sizes, session, threading.local()
-    return group
 
 
 def _input_key(x: torch.Tensor) -> tuple:
