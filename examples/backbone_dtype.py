@@ -6,7 +6,8 @@ bfloat16 and in float32, interleaved after a warm-up, on GSM8K prompts: decode t
 
 A decode step is a batch-1 GEMV per weight, memory-bound, so bf16 (half the bytes) should win it everywhere; a
 prompt is a GEMM, compute-bound, where bf16 without AVX-512-BF16 is slow. The end-to-end column adds both for the
-measured prompt length and --max-new-tokens.
+measured prompt length and --max-new-tokens. The last line is what `river_hf.fastest_dtype` (the CLI's `--dtype
+auto`) chooses from one GEMV at the model's MLP shape, to compare with the whole-generate measurement above.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import statistics
 import torch
 from transformers import GenerationConfig
 
+from river_hf import backbone_dtype
 from river_hf.bench.data import load_prompts
 from river_hf.bench.speed import interleaved
 from river_hf.models import build_chat_inputs, load_model_and_tokenizer
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = backbone_dtype.CANDIDATES
 
 
 def main(argv=None) -> dict:
@@ -47,6 +49,9 @@ def main(argv=None) -> dict:
         prefill = statistics.median(t.prefill_s for t in runs)
         results[name] = {"decode_tokens_per_s": rate, "prefill_s": prefill}
         print(f"| {name} | {rate:.1f} | {prefill * 1000:.0f} | {prefill + (args.max_new_tokens - 1) / rate:.2f} |")
+    choice = backbone_dtype.choose(backbone_dtype.mlp_shape(models["bfloat16"][0].config))
+    print(f"fastest_dtype chooses {choice.describe()}")
+    results["fastest_dtype"] = choice.dtype
     return results
 
 

@@ -27,6 +27,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=torch.bfloat16)
+    # 0. The dtype whose decode GEMV is faster on this machine: bf16 unless fp32 wins (then an exact upcast)
+    model = model.to(river_hf.fastest_dtype(model))
     # 1. Give every decoder layer from start_layer on an HQQ twin that shares its KV-cache slot (the defaults: 4-bit
     #    twins for the first quarter of the layers, 8-bit after, and an 8-bit LM head for the steps that exit).
     model = river_hf.build_river(model, RiverQuantConfig())

@@ -6,6 +6,7 @@
 """
 
 from .architectures import UnsupportedModelError
+from .backbone_dtype import fastest_dtype
 from .cache import KVIntegrityError, RiverCache
 from .config import RiverQuantConfig
 from .generation import RiverConfig, RiverGenerationMixin
@@ -39,6 +40,7 @@ __all__ = [
     "UnsupportedModelError",
     "build_river",
     "exit_depth_histogram",
+    "fastest_dtype",
     "offload_backbone",
     "offloaded_layers",
     "reload_backbone",

@@ -31,6 +31,7 @@ import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
+from typing import Callable
 
 import torch
 
@@ -151,11 +152,19 @@ def _time_candidates(names: list[str], nbits: int, group_size: int | None, out_f
     layers = {name: _copies(name, nbits, _kernel_group(name, group_size), out_features, in_features, device, copies)
               for name in names}
     x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
+    return interleaved_medians({name: (lambda name=name: _time_round(name, layers[name], x)) for name in names})
+
+
+def interleaved_medians(rounds: dict[str, Callable[[], float]]) -> dict[str, float]:
+    """name -> the median of what `rounds[name]()` returned (µs of one timed round), the candidates taking turns
+    round after round (rotated: no fixed first slot) after WARMUP_ROUNDS, so a noisy neighbour slows all of them
+    alike; past SECONDS_PER_SHAPE, stop after MIN_ROUNDS timed rounds."""
+    names = list(rounds)
     samples: dict[str, list[float]] = {name: [] for name in names}
     started = time.perf_counter()
     for step in range(WARMUP_ROUNDS + ROUNDS):
-        for name in names[step % len(names):] + names[:step % len(names)]:  # rotate: no fixed first slot
-            elapsed = _time_round(name, layers[name], x)
+        for name in names[step % len(names):] + names[:step % len(names)]:
+            elapsed = rounds[name]()
             if step >= WARMUP_ROUNDS:
                 samples[name].append(elapsed)
         if step + 1 >= WARMUP_ROUNDS + MIN_ROUNDS and time.perf_counter() - started > SECONDS_PER_SHAPE:
@@ -186,14 +195,14 @@ def _copies(name: str, nbits: int, group_size: int | None, out_features: int, in
     buffers = kernel.pack(codes, scale, zero, group_size, nbits)
     nbytes = sum(t.numel() * t.element_size() for t in buffers.values())
     del codes, scale, zero
-    count = count or max(1, min(MAX_COPIES, -(-2 * _cache_bytes() // max(nbytes, 1))))
+    count = count or max(1, min(MAX_COPIES, -(-2 * last_level_cache_bytes() // max(nbytes, 1))))
     kernel_group = int4_kernel_group(in_features, group_size) if "scales_and_zeros" in buffers else None
     clones = [{key: t.clone() for key, t in buffers.items()} for _ in range(count - 1)]
     prepack = kernel.prepack or (lambda packed, _nbits: packed)
     return [{"buffers": prepack(copy, nbits), "group": kernel_group} for copy in [buffers, *clones]]
 
 
-def _cache_bytes() -> int:
+def last_level_cache_bytes() -> int:
     """The last-level cache's size (Linux sysfs), or 32 MiB when it cannot be read."""
     path = "/sys/devices/system/cpu/cpu0/cache/index3/size"
     try:
@@ -281,7 +290,7 @@ def _read_store(path: str | None) -> dict:
 
 def _remembered(key: tuple, names: list[str], device: torch.device) -> KernelChoice | None:
     """The choice an earlier process made for this key on this machine, if it is still one of today's candidates."""
-    entry = _read_store(_store_path(device)).get(_entry_key(key))
+    entry = remembered_entry(_entry_key(key), device) or {}
     try:
         choice = KernelChoice(**{**{f.name: entry[f.name] for f in fields(KernelChoice) if f.name != "remembered"},
                                  "remembered": True})
@@ -293,11 +302,23 @@ def _remembered(key: tuple, names: list[str], device: torch.device) -> KernelCho
 
 
 def _remember(key: tuple, choice: KernelChoice, device: torch.device) -> None:
+    remember_entry(_entry_key(key), {name: value for name, value in asdict(choice).items() if name != "remembered"},
+                   device)
+
+
+def remembered_entry(entry_key: str, device: torch.device) -> dict | None:
+    """What an earlier process on this machine stored under `entry_key` (a kernel choice, the backbone's dtype)."""
+    entry = _read_store(_store_path(device)).get(entry_key)
+    return entry if isinstance(entry, dict) else None
+
+
+def remember_entry(entry_key: str, entry: dict, device: torch.device) -> None:
+    """Store `entry` in this machine's file of measurements (nothing, with the cache off)."""
     path = _store_path(device)
     if path is None:
         return
     choices = _read_store(path)
-    choices[_entry_key(key)] = {name: value for name, value in asdict(choice).items() if name != "remembered"}
+    choices[entry_key] = entry
     try:
         write_json_atomically(path, {"machine": machine_identity(device), "choices": choices})
     except OSError as error:  # remembering is an optimisation: the choice made is still good

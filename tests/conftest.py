@@ -29,6 +29,9 @@ from river_hf.router import ExitRouter
 # Converted GGUFs (river_hf.gguf_cache) go to a folder of this test session, not the user's cache; subprocesses (the
 # CLI tests) inherit it, so the packaged model is converted once per session.
 os.environ.setdefault("RIVER_HF_CACHE", tempfile.mkdtemp(prefix="river_hf_test_cache_"))
+# The command line loads bf16, as the library calls the tests compare it with do, instead of the dtype `--dtype auto`
+# would time for a tiny model on this machine (tests/test_backbone_dtype.py tests 'auto' itself); subprocesses too.
+os.environ.setdefault("RIVER_HF_DTYPE", "bfloat16")
 
 @pytest.fixture
 def one_thread():

@@ -84,6 +84,7 @@ def test_record_schema(bench_run):
                                "num_layers": NUM_LAYERS}
     assert record["settings"]["taus"] == [0.8, 1.5]  # -1 is full-quant, measured anyway
     assert record["prompts"]["texts"] == QUESTIONS[:2]
+    assert record["model"]["dtype"] == "bfloat16"  # $RIVER_HF_DTYPE, pinned by conftest
     env = record["environment"]
     assert env["torch"] == torch.__version__ and env["transformers"] and env["torch_threads"] >= 1
     memory = record["memory"]

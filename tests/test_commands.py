@@ -123,9 +123,10 @@ def test_bench_eval_and_plot_write_inside_an_output_folder(tiny_dir, questions, 
     out.mkdir()
     assert main(["bench", "--model", tiny_dir, "--data", questions, "--taus", "1.5", "--prompts", "1", "--rounds",
                  "1", "--max-new-tokens", "3", "--fidelity-prompts", "1", "--fidelity-tokens", "3",
-                 "--exit-rates", "--no-plots", "--output", str(out)]) == 0
+                 "--exit-rates", "--no-plots", "--dtype", "float32", "--output", str(out)]) == 0
     [record] = out.glob("bench-*.json")
-    assert json.loads(record.read_text())["schema"] == "river-hf-bench/1"
+    written = json.loads(record.read_text())
+    assert written["schema"] == "river-hf-bench/1" and written["model"]["dtype"] == "float32"  # the model's, as loaded
     gsm8k = tmp_path / "gsm8k.jsonl"
     gsm8k.write_text(json.dumps({"question": "two plus three?", "answer": "#### 5"}) + "\n")
     assert main(["eval", "gsm8k", "--model", tiny_dir, "--data", str(gsm8k), "--shots", "0", "--max-new-tokens",

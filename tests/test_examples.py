@@ -32,9 +32,11 @@ def test_pipeline_example(saved_tiny_model):
 def test_backbone_dtype_example_times_both_dtypes(saved_tiny_model, capsys):
     results = load_example("backbone_dtype").main(["--model", str(saved_tiny_model), "--prompts", "1", "--rounds",
                                                    "1", "--max-new-tokens", "3"])
-    assert set(results) == {"bfloat16", "float32"}
-    assert all(r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0 for r in results.values())
-    assert "| bfloat16 |" in capsys.readouterr().out
+    assert set(results) == {"bfloat16", "float32", "fastest_dtype"}
+    assert all(results[name]["decode_tokens_per_s"] > 0 and results[name]["prefill_s"] > 0
+               for name in ("bfloat16", "float32"))
+    out = capsys.readouterr().out
+    assert "| bfloat16 |" in out and f"fastest_dtype chooses {results['fastest_dtype']} (µs per GEMV at" in out
 
 
 def test_prefill_time_example_times_the_prompts_of_backbone_and_rivers(saved_tiny_model, capsys):

@@ -82,7 +82,7 @@ def load_system(job: dict):
     if spec["random_model"]:
         model = random_model(spec["random_model"], seed=spec["seed"], device=spec["device"])
     else:
-        model, _ = load_model_and_tokenizer(spec["model"], spec["gguf_file"], dtype=torch.bfloat16,
+        model, _ = load_model_and_tokenizer(spec["model"], spec["gguf_file"], dtype=getattr(torch, spec["dtype"]),
                                             device=spec["device"])
     if system == "backbone":
         return model, GenerationConfig(**fixed)

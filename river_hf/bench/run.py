@@ -86,7 +86,8 @@ def bench(model, tokenizer, prompts: list[str], settings: BenchSettings = FULL, 
         systems = (sweep or Sweep()).systems(model, inputs[0], settings.max_new_tokens)
     record = run_bench(model, inputs, settings, systems)
     model_id = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
-    return finish_record(record, model_id, str(model.device), prompt_source, prompts, arguments, started)
+    return finish_record(record, model_id, str(model.device), dtype_name(model), prompt_source, prompts, arguments,
+                         started)
 
 
 def run_bench(model, prompt_inputs: list[dict], settings: BenchSettings, systems: list[System],
@@ -236,13 +237,18 @@ def _version(package: str) -> str | None:
         return None
 
 
-def finish_record(record: dict, model_id: str, device: str, prompt_source: str, prompts: list[str],
+def dtype_name(model) -> str:
+    """The backbone's dtype as records write it ("bfloat16")."""
+    return str(model.dtype).removeprefix("torch.")
+
+
+def finish_record(record: dict, model_id: str, device: str, dtype: str, prompt_source: str, prompts: list[str],
                   arguments: dict | None, started: dict) -> dict:
     """Add what the numbers depend on: the model, the prompts, versions, threads, machine load before and after."""
     settings = record["settings"]
     used = max(settings["prompts"], settings["fidelity_prompts"])
     return {"schema": SCHEMA, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "arguments": arguments, "model": {"id": model_id, "device": device, "dtype": "bfloat16"},
+            "arguments": arguments, "model": {"id": model_id, "device": device, "dtype": dtype},
             "prompts": {"source": prompt_source, "texts": prompts[:used], "speed": settings["prompts"],
                         "fidelity": settings["fidelity_prompts"]},
             "environment": {**started, "load_average_after": environment()["load_average"]},

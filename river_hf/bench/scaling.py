@@ -25,7 +25,7 @@ from ..lm_head import river_lm_head
 from ..patching import build_river, remove_river
 from ..quantize import plain_rounding
 from .systems import FULL_QUANT_RIVER
-from .run import BenchSettings, environment, finish_record, peak_rss_bytes, run_bench
+from .run import BenchSettings, dtype_name, environment, finish_record, peak_rss_bytes, run_bench
 from .shapes import PROMPT_LENGTH, SHAPES, random_model, random_prompts
 from .systems import (
     BACKBONE,
@@ -113,7 +113,8 @@ def bench_random_model(name: str, settings: BenchSettings, quant: RiverQuantConf
     prompts = random_prompts(model.config.vocab_size, settings.prompts, prompt_length, seed, device)
     record = run_bench(model, prompts, settings, systems, fidelity=False)
     texts = [f"{prompt_length} random token ids (seed {seed}, prompt {idx})" for idx in range(settings.prompts)]
-    record = finish_record(record, f"random:{name}", device, "random token ids", texts, arguments, started)
+    record = finish_record(record, f"random:{name}", device, dtype_name(model), "random token ids", texts, arguments,
+                           started)
     record["prompts"]["fidelity"] = 0
     record["fidelity"] = NOT_MEASURED
     record["random_model"] = {"name": name, "shape": SHAPES[name], "parameters": parameters,

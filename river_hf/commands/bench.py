@@ -124,7 +124,7 @@ def _lossless_signal_taus(args: argparse.Namespace) -> list[tuple[str, float]]:
 def _run_lossless(args: argparse.Namespace, quant_config, settings, output) -> int:
     from ..bench import records
     from ..bench.lossless import bench_lossless, lossless_systems, markdown_table
-    from ..bench.run import environment
+    from ..bench.run import dtype_name, environment
 
     if args.random_model is not None or args.strategies:
         raise CLIError("--lossless runs its own systems: no --random-model or --strategies with it.")
@@ -135,7 +135,7 @@ def _run_lossless(args: argparse.Namespace, quant_config, settings, output) -> i
     model = common.build(model, quant_config)
     systems = lossless_systems(args.lossless, signal_taus, settings.max_new_tokens)
     record = bench_lossless(model, tokenizer, prompt_set.prompts[:settings.prompts], systems, settings.rounds)
-    record.update(model={"id": model_id, "device": str(model.device), "dtype": "bfloat16"},
+    record.update(model={"id": model_id, "device": str(model.device), "dtype": dtype_name(model)},
                   prompts={"source": prompt_set.source, "texts": prompt_set.prompts[:settings.prompts]},
                   environment={**started, "load_average_after": environment()["load_average"]},
                   arguments=common.arguments(args))

@@ -57,7 +57,7 @@ def river_config(args: argparse.Namespace):
 def run_offload(args: argparse.Namespace, quant_config, settings, output) -> int:
     from ..bench import records
     from ..bench.offload import ModelSpec, bench_offload, offload_table
-    from ..bench.run import environment, finish_record
+    from ..bench.run import dtype_name, environment, finish_record
     from ..bench.shapes import random_model, random_prompts
     from ..bench.systems import twin_description
     from ..models import build_chat_inputs
@@ -85,13 +85,14 @@ def run_offload(args: argparse.Namespace, quant_config, settings, output) -> int
     kernels = twin_description(model)["kernels"]  # the memory subprocesses build the same kernels, unmeasured
     quant = replace(quant_config, backend=kernels[0]) if len(kernels) == 1 else quant_config
     spec = ModelSpec(model=args.model, gguf_file=args.gguf_file, random_model=args.random_model, seed=args.seed,
-                     device=args.device, quant=quant.to_dict())
+                     device=args.device, dtype=dtype_name(model), quant=quant.to_dict())
     with common.user_errors():
         record = bench_offload(model, prompts, settings, config, spec, to=args.offload,
                                layers="auto" if layers == ["auto"] else layers, max_share=args.offload_max_share,
                                folder=args.offload_folder, fidelity=args.random_model is None,
                                memory=not args.no_memory)
-    record = finish_record(record, model_id, args.device, source, texts, common.arguments(args), started)
+    record = finish_record(record, model_id, args.device, dtype_name(model), source, texts, common.arguments(args),
+                           started)
     output = records.write_record(record, output)
     print(offload_table(record))
     print(f"\nrecord: {output}")

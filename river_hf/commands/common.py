@@ -9,6 +9,7 @@ Every user error is a `CLIError`; `cli.main` prints it after the subcommand's us
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from contextlib import contextmanager
 from dataclasses import fields
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from .. import kernel_choice
+from .. import backbone_dtype, kernel_choice
 from ..config import AUTO_NBITS, RiverQuantConfig, bits_label
 from ..generation import RiverConfig
 from ..models import load_model_and_tokenizer
@@ -112,22 +113,51 @@ def group_size_arg(text: str) -> int | None:
 
 
 # ---- the model --------------------------------------------------------------------------------------------------
+DTYPE_ENV = "RIVER_HF_DTYPE"  # the --dtype default (the test suite pins bfloat16: same models in every process)
+DTYPES = ("auto", *backbone_dtype.CANDIDATES)
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=None, metavar="ID_OR_PATH",
                        help="Hub id, local folder or .gguf file (default: the packaged SmolLM2-135M-Instruct GGUF, "
-                            "dequantized). The model runs in bf16.")
+                            "dequantized).")
     group.add_argument("--gguf-file", default=None, metavar="NAME",
                        help="GGUF file inside --model (a folder or hub id).")
     group.add_argument("--device", default="cpu", help="Torch device to run on (default: %(default)s).")
+    group.add_argument("--dtype", default=os.environ.get(DTYPE_ENV, "auto"), choices=DTYPES,
+                       help="The backbone's dtype. 'auto': the one whose batch-1 GEMV at the model's MLP shape times "
+                            "faster on this machine, bf16 unless fp32 wins by 10%% (measured once per machine and "
+                            f"shape, then remembered; shown after loading). Default: ${DTYPE_ENV} if set, else "
+                            "'auto'.")
 
 
 def load(args: argparse.Namespace):
-    """(model, tokenizer) of --model/--gguf-file on --device, in bf16."""
+    """(model, tokenizer) of --model/--gguf-file on --device, in --dtype ('auto': `backbone_dtype.choose`, timed on
+    the loaded bf16 model's shape; fp32 is then an exact upcast of the bf16 weights)."""
+    if args.dtype not in DTYPES:  # only a bad $RIVER_HF_DTYPE gets here: argparse checks --dtype
+        raise CLIError(f"${DTYPE_ENV}={args.dtype!r} is not a dtype the command line loads; use one of {DTYPES}, or "
+                       f"unset it.")
     try:
-        return load_model_and_tokenizer(args.model, args.gguf_file, dtype=torch.bfloat16, device=args.device)
+        dtype = torch.bfloat16 if args.dtype == "auto" else backbone_dtype.CANDIDATES[args.dtype]
+        model, tokenizer = load_model_and_tokenizer(args.model, args.gguf_file, dtype=dtype, device=args.device)
     except (OSError, ValueError, ModuleNotFoundError) as error:  # missing files, bad paths, offline hub ids
         raise CLIError(f"could not load the model: {error}") from error
+    return (_in_fastest_dtype(model, args.device) if args.dtype == "auto" else model), tokenizer
+
+
+def _in_fastest_dtype(model, device: str):
+    """The bf16-loaded model in `backbone_dtype`'s choice for this machine, which is said on stderr."""
+    if torch.device(device).type != "cpu":
+        return model.to(backbone_dtype.fastest_dtype(model, device))  # not timed on a GPU
+    try:
+        choice = backbone_dtype.choose(backbone_dtype.mlp_shape(model.config))
+    except ValueError as error:  # a config without hidden_size: nothing to time, bf16 stays
+        print(f"backbone dtype: bfloat16, not measured ({error})", file=sys.stderr)
+        return model
+    print(f"backbone dtype, measured ({kernel_choice.cpu_description()['cpu_capability']}): {choice.describe()}",
+          file=sys.stderr)
+    return model.to(choice.torch_dtype)
 
 
 def model_id(args: argparse.Namespace) -> str:
