@@ -143,10 +143,20 @@ def test_the_benchs_memory_subprocess_loads_the_parents_dtype(tmp_path):
 
 
 def test_the_command_line_keeps_bf16_where_the_config_gives_no_shape(capsys):
-    from types import SimpleNamespace
+    from river_hf.commands.common import measured_dtype
 
-    from river_hf.commands.common import _in_fastest_dtype
-
-    model = SimpleNamespace(config=PretrainedConfig())  # no hidden_size: nothing to time
-    assert _in_fastest_dtype(model, "cpu") is model
+    assert measured_dtype(PretrainedConfig(), "cpu") == torch.bfloat16  # no hidden_size: nothing to time
     assert "backbone dtype: bfloat16, not measured (the model's config" in capsys.readouterr().err
+
+
+def test_a_random_shape_gets_the_dtype_measured_for_its_config(monkeypatch, capsys):
+    from river_hf.cli import build_parser
+    from river_hf.commands.common import random_model_dtype
+
+    medians, calls = timings(100.0, 50.0)
+    monkeypatch.setattr(kernel_choice, "interleaved_medians", medians)
+    args = build_parser().parse_args(["bench", "--random-model", "tiny-test"])
+    assert random_model_dtype(args) == torch.float32 and len(calls) == 1
+    assert "backbone dtype, measured" in capsys.readouterr().err
+    args = build_parser().parse_args(["bench", "--random-model", "tiny-test", "--dtype", "bfloat16"])
+    assert random_model_dtype(args) == torch.bfloat16 and len(calls) == 1

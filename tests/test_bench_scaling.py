@@ -27,6 +27,7 @@ def test_random_model_is_bf16_seeded_and_prompts_are_fixed_length():
     first, second = random_model("tiny-test"), random_model("tiny-test")
     assert first.dtype == torch.bfloat16 and first.config.hidden_size == SHAPES["tiny-test"]["hidden_size"]
     assert torch.equal(first.model.embed_tokens.weight, second.model.embed_tokens.weight)
+    assert random_model("tiny-test", dtype=torch.float32).dtype == torch.float32
     prompts = random_prompts(256, 2, length=8)
     assert [p["input_ids"].shape for p in prompts] == [torch.Size([1, 8])] * 2
     assert int(prompts[0]["input_ids"].max()) < 256
@@ -110,9 +111,11 @@ def test_one_build_only_runs_its_own_systems(tmp_path):
     output = tmp_path / "four.json"
     code, _ = run_cli(["bench", "--random-model", "tiny-test", "--quick", "--prompts", "1", "--rounds", "1",
                        "--max-new-tokens", "3", "--prompt-length", "8", "--start-layer", "1", "--backend", "auto",
-                       "--twin-bits", "4", "--exit-rates", "0.5", "--no-plots", "--output", str(output)])
+                       "--twin-bits", "4", "--exit-rates", "0.5", "--no-plots", "--dtype", "float32",
+                       "--output", str(output)])
     record = json.loads(output.read_text())
     assert code == 0 and list(record["random_model"]["twin_builds"]) == ["4-bit"]
+    assert record["model"]["dtype"] == "float32"  # --dtype reaches the random shape
     assert [system["name"] for system in record["systems"]] == [
         "backbone", "full-quant 4-bit+head (river)", "static 4-bit", "static 4-bit+head", "random p=0.5"]
     assert set(record["random_model"]["peak_rss_after_bytes"]) == {"backbone", "4-bit twins + head"}

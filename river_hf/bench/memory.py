@@ -80,7 +80,8 @@ def load_system(job: dict):
     """(model to generate with, generation config) of the job's system, everything it does not keep freed."""
     spec, system, fixed = job["spec"], job["system"], fixed_length(job["max_new_tokens"])
     if spec["random_model"]:
-        model = random_model(spec["random_model"], seed=spec["seed"], device=spec["device"])
+        model = random_model(spec["random_model"], seed=spec["seed"], device=spec["device"],
+                             dtype=getattr(torch, spec["dtype"]))
     else:
         model, _ = load_model_and_tokenizer(spec["model"], spec["gguf_file"], dtype=getattr(torch, spec["dtype"]),
                                             device=spec["device"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from transformers import GenerationConfig
 
 from ..config import RiverQuantConfig
@@ -102,10 +103,11 @@ def _static_systems(statics: dict, head, plain) -> list[System]:
 
 def bench_random_model(name: str, settings: BenchSettings, quant: RiverQuantConfig, *, device: str = "cpu",
                        exit_rates=SCALING_EXIT_RATES, seed: int = 0, prompt_length: int = PROMPT_LENGTH,
-                       build=build_river, arguments: dict | None = None, twin_bits=TWIN_BITS) -> dict:
+                       build=build_river, arguments: dict | None = None, twin_bits=TWIN_BITS,
+                       dtype: torch.dtype = torch.bfloat16) -> dict:
     """The whole scaling bench of shape `name` as one JSON-ready record (speed, memory, bytes; no fidelity)."""
     started = environment()
-    model = random_model(name, seed=seed, device=device)
+    model = random_model(name, seed=seed, device=device, dtype=dtype)
     parameters = model.num_parameters()
     stages: dict[str, int] = {}
     with plain_rounding():  # random weights: HQQ's optimizer would change codes nobody reads, for minutes

@@ -31,11 +31,12 @@ def shape_config(name: str) -> LlamaConfig:
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def random_model(name: str, seed: int = 0, device: str = "cpu") -> torch.nn.Module:
+def random_model(name: str, seed: int = 0, device: str = "cpu",
+                 dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     """A Llama of shape `name` with random weights (HF's own initialisation after torch.manual_seed(seed)),
-    created directly in bf16 (never an fp32 copy: a 3B model is 6 GiB in bf16), in eval mode."""
+    created directly in `dtype` (never a copy in another dtype: a 3B model is 6 GiB in bf16), in eval mode."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(shape_config(name), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(shape_config(name), dtype=dtype)
     return model.to(device).eval()
 
 

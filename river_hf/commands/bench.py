@@ -190,7 +190,8 @@ def _run_random_model(args: argparse.Namespace, quant_config, settings, output) 
     exit_rates = SCALING_EXIT_RATES if args.exit_rates is None else args.exit_rates
     record = bench_random_model(args.random_model, settings, quant_config, device=args.device, exit_rates=exit_rates,
                                 seed=args.seed, prompt_length=args.prompt_length, build=common.build,
-                                arguments=common.arguments(args), twin_bits=tuple(args.twin_bits))
+                                arguments=common.arguments(args), twin_bits=tuple(args.twin_bits),
+                                dtype=common.random_model_dtype(args))
     output = records.write_record(record, output)
     print(report.markdown_table(record))
     print(f"\nrecord: {output}")

@@ -69,7 +69,8 @@ def run_offload(args: argparse.Namespace, quant_config, settings, output) -> int
         raise CLIError("--offload-layers: 'auto' or layer indices, not both.")
     config, started = river_config(args), environment()
     if args.random_model is not None:
-        model = random_model(args.random_model, seed=args.seed, device=args.device)
+        model = random_model(args.random_model, seed=args.seed, device=args.device,
+                             dtype=common.random_model_dtype(args))
         prompts = random_prompts(model.config.vocab_size, settings.prompts, args.prompt_length, args.seed, args.device)
         texts, source, model_id = [f"{args.prompt_length} random token ids"] * settings.prompts, "random", \
             f"random:{args.random_model}"

@@ -135,29 +135,45 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def load(args: argparse.Namespace):
     """(model, tokenizer) of --model/--gguf-file on --device, in --dtype ('auto': `backbone_dtype.choose`, timed on
     the loaded bf16 model's shape; fp32 is then an exact upcast of the bf16 weights)."""
-    if args.dtype not in DTYPES:  # only a bad $RIVER_HF_DTYPE gets here: argparse checks --dtype
-        raise CLIError(f"${DTYPE_ENV}={args.dtype!r} is not a dtype the command line loads; use one of {DTYPES}, or "
-                       f"unset it.")
+    _check_dtype(args)
     try:
         dtype = torch.bfloat16 if args.dtype == "auto" else backbone_dtype.CANDIDATES[args.dtype]
         model, tokenizer = load_model_and_tokenizer(args.model, args.gguf_file, dtype=dtype, device=args.device)
     except (OSError, ValueError, ModuleNotFoundError) as error:  # missing files, bad paths, offline hub ids
         raise CLIError(f"could not load the model: {error}") from error
-    return (_in_fastest_dtype(model, args.device) if args.dtype == "auto" else model), tokenizer
+    return (model.to(measured_dtype(model.config, args.device)) if args.dtype == "auto" else model), tokenizer
 
 
-def _in_fastest_dtype(model, device: str):
-    """The bf16-loaded model in `backbone_dtype`'s choice for this machine, which is said on stderr."""
+def _check_dtype(args: argparse.Namespace) -> None:
+    if args.dtype not in DTYPES:  # only a bad $RIVER_HF_DTYPE gets here: argparse checks --dtype
+        raise CLIError(f"${DTYPE_ENV}={args.dtype!r} is not a dtype the command line loads; use one of {DTYPES}, or "
+                       f"unset it.")
+
+
+def random_model_dtype(args: argparse.Namespace) -> torch.dtype:
+    """--dtype for --random-model's shape, before the model is made: as asked, or measured for its config."""
+    from ..bench.shapes import shape_config
+
+    _check_dtype(args)
+    if args.dtype != "auto":
+        return backbone_dtype.CANDIDATES[args.dtype]
+    with user_errors():  # an unknown shape name
+        config = shape_config(args.random_model)
+    return measured_dtype(config, args.device)
+
+
+def measured_dtype(config, device: str) -> torch.dtype:
+    """`backbone_dtype`'s choice for a model of `config` on this machine, said on stderr (bf16 where no shape)."""
     if torch.device(device).type != "cpu":
-        return model.to(backbone_dtype.fastest_dtype(model, device))  # not timed on a GPU
+        return backbone_dtype.fastest_dtype(config, device)  # not timed on a GPU
     try:
-        choice = backbone_dtype.choose(backbone_dtype.mlp_shape(model.config))
+        choice = backbone_dtype.choose(backbone_dtype.mlp_shape(config))
     except ValueError as error:  # a config without hidden_size: nothing to time, bf16 stays
         print(f"backbone dtype: bfloat16, not measured ({error})", file=sys.stderr)
-        return model
+        return torch.bfloat16
     print(f"backbone dtype, measured ({kernel_choice.cpu_description()['cpu_capability']}): {choice.describe()}",
           file=sys.stderr)
-    return model.to(choice.torch_dtype)
+    return choice.torch_dtype
 
 
 def model_id(args: argparse.Namespace) -> str:
