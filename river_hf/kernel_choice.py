@@ -195,14 +195,20 @@ def _copies(name: str, nbits: int, group_size: int | None, out_features: int, in
     buffers = kernel.pack(codes, scale, zero, group_size, nbits)
     nbytes = sum(t.numel() * t.element_size() for t in buffers.values())
     del codes, scale, zero
-    count = count or max(1, min(MAX_COPIES, -(-2 * last_level_cache_bytes() // max(nbytes, 1))))
+    count = count or cache_cold_copies(nbytes)
     kernel_group = int4_kernel_group(in_features, group_size) if "scales_and_zeros" in buffers else None
     clones = [{key: t.clone() for key, t in buffers.items()} for _ in range(count - 1)]
     prepack = kernel.prepack or (lambda packed, _nbits: packed)
     return [{"buffers": prepack(copy, nbits), "group": kernel_group} for copy in [buffers, *clones]]
 
 
-def last_level_cache_bytes() -> int:
+def cache_cold_copies(nbytes: int) -> int:
+    """How many copies of a `nbytes` weight overflow the last-level cache twice, so that cycling through them reads
+    each from memory as a decode step does (at most MAX_COPIES; one where a weight alone overflows it)."""
+    return max(1, min(MAX_COPIES, -(-2 * _cache_bytes() // max(nbytes, 1))))
+
+
+def _cache_bytes() -> int:
     """The last-level cache's size (Linux sysfs), or 32 MiB when it cannot be read."""
     path = "/sys/devices/system/cpu/cpu0/cache/index3/size"
     try:

@@ -43,7 +43,7 @@ class ModelSpec:
     random_model: str | None = None
     seed: int = 0
     device: str = "cpu"
-    dtype: str = "bfloat16"  # the parent's backbone dtype (`--dtype`; random shapes are bf16)
+    dtype: str = "bfloat16"  # the parent's backbone dtype, as `--dtype` made it (random shapes too)
     quant: dict = field(default_factory=dict)  # RiverQuantConfig.to_dict()
 
 
