@@ -7,7 +7,7 @@
 
 from .architectures import UnsupportedModelError
 from .backbone_dtype import fastest_dtype
-from .cache import KVIntegrityError, RiverCache
+from .cache import KVIntegrityError, RiverCache, RiverStaticCache
 from .config import RiverQuantConfig
 from .generation import RiverConfig, RiverGenerationMixin
 from .hf_integration import register_with_transformers
@@ -28,6 +28,7 @@ __all__ = [
     "KVIntegrityError",
     "LosslessCache",
     "RiverCache",
+    "RiverStaticCache",
     "RiverConfig",
     "RiverGenerationMixin",
     "RiverLMHead",

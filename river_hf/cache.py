@@ -1,4 +1,5 @@
-"""`RiverCache`: the KV slots (a `DynamicCache`) plus the per-position exit record.
+"""`RiverCache` / `RiverStaticCache`: the KV slots (HF's `DynamicCache` / `StaticCache`) plus the per-position exit
+record (`ExitRecord`, one implementation shared by both).
 
 Backbone layer l and its twin share cache slot l, so every layer writes K/V for every position whatever the exit
 pattern: the cache stays complete. The exit record says, per position, how many backbone layers ran
@@ -9,7 +10,7 @@ repeat/select, crop), so `exit_depth[b, t]` always describes the K/V at `[b, :, 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from .router import ExitRouter
 from .strategies import KVStrategy
@@ -19,11 +20,12 @@ class KVIntegrityError(AssertionError):
     """A layer of the cache is missing positions: early exit left a hole ("KV cache absence")."""
 
 
-class RiverCache(DynamicCache):
-    """A `DynamicCache` that carries the exit router of one `generate` call and records each position's exit depth."""
+class ExitRecord:
+    """What makes a HF cache a river's: the call's exit router and KV strategy, and each position's exit depth.
 
-    def __init__(self, config=None, router: ExitRouter | None = None, num_layers: int | None = None, **kwargs):
-        super().__init__(config=config, **kwargs)
+    Mixed in front of a HF cache class (`RiverCache`, `RiverStaticCache`); `_init_exit_record` sets it up."""
+
+    def _init_exit_record(self, router: ExitRouter | None, num_layers: int | None) -> None:
         self.router = router
         self.num_layers = num_layers if num_layers is not None else getattr(router, "num_layers", None)
         self._depth_chunks: list[torch.Tensor] = []  # each [B, T_step]; concatenated lazily
@@ -32,6 +34,9 @@ class RiverCache(DynamicCache):
         self.strategy: KVStrategy | None = None  # what skipped layers do (set with the router by new_river_cache)
         self.profile = False  # when True, layers add their wall time to `seconds` (costs a clock read per layer)
         self.seconds: dict[str, float] = {"backbone": 0.0, "skipped": 0.0}
+        # A captured decode step's exit depth, fixed before the step starts (river_hf.capture); None in eager steps.
+        # The RiverLayers read it inside the compiled graph, where dynamo specialises on it: one graph per depth.
+        self.planned_depth: int | None = None
 
     def add_time(self, part: str, seconds: float) -> None:
         """Wall time of one layer call, by part: "backbone" (incl. recompute's catch-up) or "skipped" (twin/K-V)."""
@@ -133,20 +138,56 @@ class RiverCache(DynamicCache):
             self._recorded = self._depth_chunks[0].shape[1]
 
 
+class RiverCache(ExitRecord, DynamicCache):
+    """A `DynamicCache` that carries the exit router of one `generate` call and records each position's exit depth."""
+
+    def __init__(self, config=None, router: ExitRouter | None = None, num_layers: int | None = None, **kwargs):
+        super().__init__(config=config, **kwargs)
+        self._init_exit_record(router, num_layers)
+
+
+class RiverStaticCache(ExitRecord, StaticCache):
+    """A `StaticCache` (preallocated K/V of `max_cache_len` positions, what `torch.compile` and CUDA graphs need) with
+    the exit record. `generate(..., cache_implementation="static")` on a river makes one (sized by transformers);
+    backbone layer l and its twin write slot l at the same running position, so the slots stay aligned."""
+
+    def __init__(self, config, max_cache_len: int, router: ExitRouter | None = None, num_layers: int | None = None,
+                 **kwargs):
+        super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
+        self._init_exit_record(router, num_layers)
+        self.max_cache_len = max_cache_len
+
+
 def _layer_errors(idx: int, layer, expected: int, batch_size: int) -> list[str]:
     if not getattr(layer, "is_initialized", False):
         return [f"layer {idx} was never written"] if expected else []
     errors = []
-    seen = layer.get_seq_length()  # sliding layers report every position seen, not only the window kept
+    seen = int(layer.get_seq_length())  # sliding layers report every position seen, not only the window kept
     if seen != expected:
         errors.append(f"layer {idx} holds {seen} positions, expected {expected}")
-    kept = min(expected, layer.get_max_length()) if getattr(layer, "is_sliding", False) else expected
+    sliding = getattr(layer, "is_sliding", False)
+    kept = min(expected, layer.get_max_length()) if sliding else expected
+    static = getattr(layer, "is_compileable", False)  # preallocated: written slots first, zeros after them
     for name in ("keys", "values"):
         tensor = getattr(layer, name)
-        if tensor.shape[-2] < kept - 1 or (not getattr(layer, "is_sliding", False) and tensor.shape[-2] != kept):
+        if static:
+            errors.extend(_static_slot_errors(idx, name, tensor, kept))
+            tensor = tensor[:, :, :kept]
+        elif tensor.shape[-2] < kept - 1 or (not sliding and tensor.shape[-2] != kept):
             errors.append(f"layer {idx} {name} has {tensor.shape[-2]} positions, expected {kept}")
         if tensor.shape[0] != batch_size:
             errors.append(f"layer {idx} {name} has batch {tensor.shape[0]}, exit record has {batch_size}")
         if not torch.isfinite(tensor).all():
             errors.append(f"layer {idx} {name} holds non-finite values")
     return errors
+
+
+def _static_slot_errors(idx: int, name: str, tensor: torch.Tensor, kept: int) -> list[str]:
+    """A static layer's first `kept` slots must all have been written. Its buffer starts as zeros and a written key
+    or value vector is never exactly zero, so a slot still all zero was skipped. tensor: [B, H, max_len, D]."""
+    if tensor.shape[-2] < kept:
+        return [f"layer {idx} {name} has {tensor.shape[-2]} slots, expected at least {kept}"]
+    unwritten = (tensor[:, :, :kept] == 0).all(dim=-1).any(dim=(0, 1)).nonzero().flatten()  # [positions]
+    if unwritten.numel():
+        return [f"layer {idx} {name} never wrote position(s) {unwritten[:5].tolist()}"]
+    return []

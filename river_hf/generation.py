@@ -16,7 +16,9 @@ import torch
 from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
-from .cache import RiverCache
+from .cache import ExitRecord, RiverCache
+from .capture import (STATIC_IMPLEMENTATIONS, CapturedDecode, check_passed_static_cache, check_static_river,
+                      requested_setting, static_cache_settings, static_river_cache)
 from .config import RiverQuantConfig
 from .layers import backbone_layers, river_layers, twins_prefill_faster
 from .lm_head import original_lm_head
@@ -83,8 +85,12 @@ def without_river_fields(generation_config):
     """The same generation settings as a plain `GenerationConfig`: the river's part lives in the cache's router."""
     if generation_config is None:
         return None
-    values = {key: value for key, value in generation_config.to_dict().items() if key not in RIVER_FIELDS}
-    return GenerationConfig.from_dict(values)
+    values = {key: value for key, value in generation_config.to_dict().items()
+              if key not in RIVER_FIELDS and key != "compile_config"}
+    plain = GenerationConfig.from_dict(values)
+    # the object itself: its dict form drops `_compile_all_devices` (compiling on CPU) and cannot hold a callable backend
+    plain.compile_config = generation_config.compile_config
+    return plain
 
 
 # A river's `generate` runs under `torch.inference_mode` instead of transformers' `no_grad`: at batch 1 a decode step
@@ -123,13 +129,38 @@ class RiverGenerationMixin:
         if settings is not None and settings.tau == AUTO_TAU:
             resolved = auto_settings(settings, river_layers(self), lambda: measure_river_exit_gain(self))
             # a RiverCache the caller passed still gets its exit record (every step at full depth)
-            passed_cache = isinstance(kwargs.get("cache", kwargs.get("past_key_values")), RiverCache)
+            passed_cache = isinstance(kwargs.get("cache", kwargs.get("past_key_values")), ExitRecord)
             settings = dataclasses.replace(settings, tau=NEVER_EXITS) if resolved is None and passed_cache else resolved
-        if settings is not None:
-            kwargs["cache"] = self._river_cache(settings, kwargs)
-            if settings.lossless:  # the river drafts, the backbone verifies (river_hf.lossless)
-                kwargs.update(lossless_generate_kwargs(settings, kwargs))
-        return super().generate(inputs, generation_config=without_river_fields(generation_config), **kwargs)
+        plain_config = without_river_fields(generation_config)
+        if settings is None:
+            return super().generate(inputs, generation_config=plain_config, **kwargs)
+        implementation = requested_setting("cache_implementation", generation_config, kwargs,
+                                           self.generation_config)
+        check_static_river(self, settings, implementation)
+        if implementation in STATIC_IMPLEMENTATIONS and kwargs.get("cache", kwargs.get("past_key_values")) is None:
+            # transformers sizes the static cache; `_prepare_static_cache` below makes it this call's river cache
+            with static_cache_settings(settings):
+                return super().generate(inputs, generation_config=plain_config, **kwargs)
+        kwargs["cache"] = self._river_cache(settings, kwargs)
+        check_passed_static_cache(kwargs["cache"], _input_length(inputs, kwargs),
+                                  requested_setting("max_new_tokens", generation_config, kwargs, self.generation_config))
+        if settings.lossless:  # the river drafts, the backbone verifies (river_hf.lossless)
+            kwargs.update(lossless_generate_kwargs(settings, kwargs))
+        return super().generate(inputs, generation_config=plain_config, **kwargs)
+
+    def _prepare_static_cache(self, cache_implementation, batch_size, max_cache_len, prefill_chunk_size,
+                              model_kwargs):
+        # transformers' hook for making the cache of `cache_implementation="static"`: a river call gets a
+        # RiverStaticCache of the same length (river_hf.capture)
+        cache = super()._prepare_static_cache(cache_implementation=cache_implementation, batch_size=batch_size,
+                                              max_cache_len=max_cache_len, prefill_chunk_size=prefill_chunk_size,
+                                              model_kwargs=model_kwargs)
+        return static_river_cache(self, cache, model_kwargs, new_river_cache)
+
+    def get_compiled_call(self, compile_config):
+        # transformers' compiled decode step (its torch.compile of __call__), steered per step onto the graph of the
+        # step's planned exit depth (river_hf.capture)
+        return CapturedDecode(self, super().get_compiled_call(compile_config))
 
     def save_pretrained(self, save_directory, *args, save_twins: bool | None = None, **kwargs):
         """Save the backbone's own checkpoint (original layers and LM head, exactly), and with `save_twins` the twins
@@ -175,9 +206,10 @@ class RiverGenerationMixin:
         # (not `or`: an empty Cache is falsy, it has len() 0)
         user_cache = kwargs.pop("cache", None)
         user_cache = kwargs.pop("past_key_values", None) if user_cache is None else user_cache
-        if user_cache is not None and not isinstance(user_cache, RiverCache):
+        if user_cache is not None and not isinstance(user_cache, ExitRecord):
             raise ValueError(
-                f"`cache`: a river generate needs a `RiverCache` (it records each position's exit); got "
+                f"`cache`: a river generate needs a `RiverCache` or `RiverStaticCache` (it records each position's "
+                f"exit); got "
                 f"{type(user_cache).__name__}. Pass no cache and river_hf makes one."
             )
         if user_cache is None and settings.lossless:
@@ -200,7 +232,13 @@ def _river_quant_config_saved(model, save_twins: bool):
         del config.quantization_config
 
 
-def new_river_cache(model, settings: RiverSettings, attention_mask=None, cache: RiverCache | None = None) -> RiverCache:
+def _input_length(inputs, kwargs: dict) -> int:
+    ids = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    return 0 if ids is None else ids.shape[1]
+
+
+def new_river_cache(model, settings: RiverSettings, attention_mask=None, cache: ExitRecord | None = None
+                    ) -> ExitRecord:
     """A RiverCache with a fresh router for `model` (for generate, or for driving the model's forward yourself)."""
     layers = river_layers(model)
     if settings.tau == AUTO_TAU:  # driving the forward yourself: where exiting does not pay, nothing exits

@@ -58,6 +58,12 @@ class RiverHfQuantizer(HfQuantizer):
     def is_trainable(self) -> bool:
         return False
 
+    @property
+    def is_compileable(self) -> bool:
+        # transformers compiles a static-cache decode step only when the quantizer allows it: a river's steps are
+        # captured per exit depth (river_hf.capture)
+        return True
+
 
 def _twins_from_hub(checkpoint_files) -> StoredTwins | None:
     """A river pushed to the hub (`push_to_hub`): transformers downloads its weights and config, not the twins file.

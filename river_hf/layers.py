@@ -42,6 +42,8 @@ class RiverLayer(nn.Module):
         cache = river_cache_of(kwargs)
         if cache is None:
             return self.base_layer(hidden_states, *args, **kwargs)  # plain generate: the untouched backbone
+        if cache.planned_depth is not None:  # a captured step (river_hf.capture): its path was fixed before it began
+            return self._planned_module(cache.planned_depth)(hidden_states, *args, **kwargs)
         if self.twin is not None and cache.recorded_length == 0:
             # a river pass's first step: a twin built from peft adapters that have changed since is an error, not
             # drift (here, not in river_layers: remove_river must still work on such a model)
@@ -65,6 +67,11 @@ class RiverLayer(nn.Module):
         if self.layer_idx == self.num_layers - 1:
             cache.record_step(router.depth, hidden_states.shape[0], hidden_states.shape[1], hidden_states.device)
         return output
+
+    def _planned_module(self, depth: int) -> nn.Module:
+        """Backbone below the step's exit depth, twin from it on. Traced by dynamo: `depth` is a constant of the
+        graph, so the router, the strategy and the exit record stay outside it."""
+        return self.twin if self.twin is not None and self.layer_idx >= depth else self.base_layer
 
     def __getattr__(self, name: str):
         # HF model loops read attributes of their layers (e.g. `attention_type` for the mask): answer for the backbone.

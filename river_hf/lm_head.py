@@ -35,6 +35,10 @@ class RiverLMHead(nn.Module):
         super().__init__()
         self.base_head = base_head
         self.quantized_head = quantized_head
+        # A captured step cannot read the context variable of the pass (dynamo does not trace ContextVar.get): its
+        # runner (river_hf.capture) sets this flag for the step's length, under its lock, so captured steps of two
+        # threads take turns.
+        self.captured_exit = False
 
     @classmethod
     def from_head(cls, head: nn.Module, nbits: int = 8, group_size: int | None = None, axis: int = 1,
@@ -49,6 +53,8 @@ class RiverLMHead(nn.Module):
 
     def uses_quantized_head(self) -> bool:
         """True while the pass running now is a river step that left the backbone."""
+        if torch.compiler.is_compiling():  # traced: a constant of the captured graph (set by river_hf.capture)
+            return self.captured_exit
         router = active_router()
         return router is not None and router.exited
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 
+import torch
 from torch import nn
 
-from .cache import RiverCache
+from .cache import ExitRecord
 
-_ACTIVE_CACHE: ContextVar[RiverCache | None] = ContextVar("river_hf_active_cache", default=None)
+_ACTIVE_CACHE: ContextVar[ExitRecord | None] = ContextVar("river_hf_active_cache", default=None)
 
 
 def cache_of(kwargs: dict):
@@ -24,10 +25,10 @@ def cache_of(kwargs: dict):
     return kwargs.get("past_key_values") if cache is None else cache
 
 
-def river_cache_of(kwargs: dict) -> RiverCache | None:
-    """The call's RiverCache when it is a river pass (a RiverCache with a router), else None."""
+def river_cache_of(kwargs: dict) -> ExitRecord | None:
+    """The call's river cache when it is a river pass (a RiverCache or RiverStaticCache with a router), else None."""
     cache = cache_of(kwargs)
-    return cache if isinstance(cache, RiverCache) and cache.router is not None else None
+    return cache if isinstance(cache, ExitRecord) and cache.router is not None else None
 
 
 def active_router():
@@ -37,10 +38,14 @@ def active_router():
 
 
 def begin_pass(module, args, kwargs) -> None:
+    if torch.compiler.is_compiling():  # a captured step: river_hf.capture does this pass's bookkeeping outside the graph
+        return
     _ACTIVE_CACHE.set(river_cache_of(kwargs))
 
 
 def end_pass(module, args, kwargs, output) -> None:
+    if torch.compiler.is_compiling():
+        return
     cache = _ACTIVE_CACHE.get()
     _ACTIVE_CACHE.set(None)
     logits = getattr(output, "logits", None)

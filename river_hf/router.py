@@ -48,6 +48,18 @@ class ExitRouter:
         self.depth_cap = None
         self.signal.begin_step(self._sequence_level, self.min_depth)
 
+    def plan_step(self, num_new_tokens: int, is_first_step: bool) -> int | None:
+        """Open a decode step whose path is fixed before it runs: returns its exit depth (`num_layers`: backbone
+        throughout) when the signal knows it now (`ExitSignal.planned_depth`), else None (the step must run layer by
+        layer, observing). A prefill is never planned."""
+        self.begin_step(num_new_tokens, is_first_step)
+        if self._sequence_level:
+            return None
+        depth = self.signal.planned_depth(self.min_depth, self.num_layers)
+        if depth is not None and self.min_depth <= depth < self.num_layers:
+            self._exit_at(depth)
+        return None if depth is None else self.depth
+
     @property
     def is_prefill(self) -> bool:
         return self._sequence_level

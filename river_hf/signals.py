@@ -129,6 +129,7 @@ class ExitSignal:
 
     name = ""
     needs_logits = False  # True: the model hands it every river pass's logits (`observe_logits`)
+    plans_decode_steps = False  # True: `planned_depth` knows a decode step's exit depth before the step runs
     reads_tau = True  # False: it ignores tau (then tau 'auto' needs no measured default, and exits are not guarded)
 
     @classmethod
@@ -144,6 +145,13 @@ class ExitSignal:
     def decide(self, depth: int, h_in: torch.Tensor, h_out: torch.Tensor, mask: torch.Tensor | None) -> bool:
         """After `depth` backbone layers: exit now? Called only at eligible depths, in order, until it says yes."""
         raise NotImplementedError
+
+    def planned_depth(self, min_depth: int, num_layers: int) -> int | None:
+        """A decode step's exit depth known before the step runs (`num_layers`: it stays on the backbone), for
+        signals that read nothing of the step itself; None (the default) when the decision needs the step's hidden
+        states (then `plans_decode_steps` is False). A planned step runs as one captured graph per depth
+        (river_hf.capture)."""
+        return None
 
 
 class ThresholdSignal(ExitSignal):
@@ -174,6 +182,18 @@ class ThresholdSignal(ExitSignal):
         if self.is_prefill:
             return batch_passes(self.sequence_score(h_in, h_out, mask), self.tau, self.policy)
         return self.min_token_score(h_in, h_out) > self.tau  # "batch_min", the one policy (checked in settings)
+
+    @property
+    def plans_decode_steps(self) -> bool:
+        return self.tau > 1.0 or self.tau <= -1.0  # the extremes read no score: known before the step
+
+    def planned_depth(self, min_depth: int, num_layers: int) -> int | None:
+        if not self.plans_decode_steps:
+            return None
+        return num_layers if self.tau > 1.0 else self._first_decision_depth(min_depth)
+
+    def _first_decision_depth(self, min_depth: int) -> int:
+        return min_depth
 
 
 SIGNALS: dict[str, type[ExitSignal]] = {}  # name -> class; `register_signal` adds to it
@@ -240,6 +260,9 @@ class CosineAtOneLayer(Cosine):
     def decide(self, depth, h_in, h_out, mask) -> bool:
         return depth == self.decision_depth and super().decide(depth, h_in, h_out, mask)
 
+    def _first_decision_depth(self, min_depth: int) -> int:
+        return self.decision_depth  # set by begin_step, which plan_step calls first
+
 
 @register_signal
 class UpdateNorm(ThresholdSignal):
@@ -264,6 +287,7 @@ class PreviousConfidence(ExitSignal):
 
     name = "confidence"
     needs_logits = True
+    plans_decode_steps = True
 
     def __init__(self, tau: float, policy: str = "batch_min"):
         self.tau = tau
@@ -284,6 +308,10 @@ class PreviousConfidence(ExitSignal):
             return True
         return self.last_confidence is not None and batch_passes(self.last_confidence, self.tau, self.policy)
 
+    def planned_depth(self, min_depth: int, num_layers: int) -> int | None:
+        # the one decision reads the previous pass's logits: known before the step, at the same depth `decide` uses
+        return min_depth if self.decide(min_depth, None, None, None) else num_layers
+
 
 @register_signal
 class RandomExit(ExitSignal):
@@ -291,6 +319,7 @@ class RandomExit(ExitSignal):
 
     name = "random"
     reads_tau = False
+    plans_decode_steps = True
 
     def __init__(self, exit_rate: float, num_layers: int, seed: int | None = None):
         self.exit_rate = float(exit_rate)
@@ -312,6 +341,9 @@ class RandomExit(ExitSignal):
 
     def decide(self, depth, h_in, h_out, mask) -> bool:
         return self.drawn_depth is not None and depth >= self.drawn_depth
+
+    def planned_depth(self, min_depth: int, num_layers: int) -> int | None:
+        return num_layers if self.drawn_depth is None else max(self.drawn_depth, min_depth)
 
 
 _BUILT_IN = frozenset(SIGNALS)  # everything registered above

@@ -16,11 +16,11 @@ SYSTEMS = ["backbone", "full-quant 4-bit+head (river)", "static 4-bit", "static 
 
 
 @pytest.mark.parametrize("name, parameters", [("smollm2-135m", 134_515_008), ("llama-3.2-1b", 1_235_814_400),
-                                              ("llama-3.2-3b", 3_212_749_824)])
+                                              ("llama-3.2-3b", 3_212_749_824), ("llama-3.1-8b", 8_030_261_248)])
 def test_shapes_have_the_public_checkpoints_parameter_counts(name, parameters):
     with torch.device("meta"):  # no memory, no init
         model = AutoModelForCausalLM.from_config(shape_config(name))
-    assert model.num_parameters() == parameters and model.config.tie_word_embeddings
+    assert model.num_parameters() == parameters and model.config.tie_word_embeddings == (name != "llama-3.1-8b")
 
 
 def test_random_model_is_bf16_seeded_and_prompts_are_fixed_length():
@@ -173,3 +173,21 @@ def test_scaling_panels_tell_amx_from_no_amx(scaling_run):
         f"Intel(R) Xeon(R) Processor: AVX512, AMX, {threads} threads",
         f"Intel(R) Xeon(R) Processor: AVX512, no AMX, {threads} threads",
         f"Intel(R) Xeon(R) Processor: AVX512, {threads} threads"}
+
+
+def test_compiled_systems_are_measured_against_the_compiled_backbone(tmp_path):
+    """--compiled adds transformers' compiled static-cache backbone and the river's captured systems (inductor on
+    CPU), with their ratio to the compiled backbone in the record and the table."""
+    output = tmp_path / "compiled.json"
+    code, stdout = run_cli(["bench", "--random-model", "tiny-test", "--quick", "--prompts", "1", "--rounds", "1",
+                            "--max-new-tokens", "4", "--prompt-length", "8", "--start-layer", "1", "--twin-bits", "4",
+                            "--exit-rates", "0.9", "--backend", "auto", "--compiled", "--no-plots",
+                            "--output", str(output)])
+    assert code == 0
+    systems = {system["name"]: system for system in json.loads(output.read_text())["systems"]}
+    assert {"backbone (compiled)", "full-quant (captured)", "random p=0.9 (captured)"} <= systems.keys()
+    assert systems["backbone (compiled)"]["summary"]["ratio_vs_compiled_backbone"] == 1.0
+    captured = systems["full-quant (captured)"]
+    assert set(captured["runs"][0]["exit_depths"]) == {1}  # every decoded token on the twins
+    assert captured["summary"]["step_split_ms_per_token"] is None
+    assert "vs compiled backbone" in stdout and "| full-quant (captured) |" in stdout

@@ -5,7 +5,7 @@ target, and the comparison of each exit signal with random routing at equal spee
 from __future__ import annotations
 
 from .bytes import byte_limit_lines
-from .systems import FULL_QUANT, STATIC_FULL_QUANT, twin_label
+from .systems import CAPTURED, FULL_QUANT, STATIC_FULL_QUANT, twin_label
 
 # The paper's premise: full quantization through the river should run close to a model that simply is quantized.
 FULL_QUANT_TARGET = 0.9
@@ -29,16 +29,16 @@ def markdown_table(record: dict) -> str:
     lines = [twin_label(twins) + f" · model {record['model']['id']} on {record['model']['device']} · {machine}",
              f"speed: {s['prompts']} prompts x {s['rounds']} rounds, {s['max_new_tokens']} new tokens, batch 1, "
              f"interleaved after warm-up, median; {fidelity}", "",
-             f"| system | decode tok/s | vs backbone | byte limit | share of limit | vs static full-quant | prefill ms "
-             f"| mean exit depth (of {twins['num_layers']}) | next-token match | KL |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"| system | decode tok/s | vs backbone | vs compiled backbone | byte limit | share of limit | vs static "
+             f"full-quant | prefill ms | mean exit depth (of {twins['num_layers']}) | next-token match | KL |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for system in record["systems"]:
         sm, fid = system["summary"], system["fidelity"]
         depth = f"{sm['mean_exit_depth']:.1f}" + ("" if sm["exit_depth_measured"] else " (fixed)")
         match = "n/a" if fid["match"] is None else f"{fid['match']:.1%}"
         kl = "n/a" if fid["kl"] is None else f"{fid['kl']:.4f}"
         lines.append(f"| {system_label(system)} | {sm['decode_tokens_per_s']:.1f} | {sm['speed_ratio']:.2f}x | "
-                     f"{_ratio(sm.get('byte_ratio'))} | {_share(sm.get('share_of_byte_limit'))} | "
+                     f"{_ratio(sm.get('ratio_vs_compiled_backbone'))} | {_ratio(sm.get('byte_ratio'))} | {_share(sm.get('share_of_byte_limit'))} | "
                      f"{_ratio(sm['ratio_vs_static_full_quant'])} | {sm['prefill_ms']:.0f} | {depth} | {match} | "
                      f"{kl} |")
     limits = byte_limit_lines(record["systems"])
@@ -178,6 +178,8 @@ SYSTEM_LABELS = {"backbone": "backbone", "full-quant": "full-quant (river tau=-1
 
 
 def system_label(system: dict) -> str:
+    if system["name"].endswith(CAPTURED):  # its own row beside the eager system of the same kind
+        return system["name"]
     if system["kind"] in SYSTEM_LABELS:  # a named variant (--random-model: "static 4-bit+head") keeps its name
         return SYSTEM_LABELS[system["kind"]] if system["name"] == system["kind"] else system["name"]
     if system["kind"] == "random":

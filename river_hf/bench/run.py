@@ -37,9 +37,11 @@ from .speed import Timing, interleaved, median_rate
 from .step_split import step_split
 from .systems import (
     BACKBONE,
+    COMPILED_BACKBONE,
     STATIC_FULL_QUANT,
     Sweep,
     System,
+    is_compiled,
     twin_description,
     weight_bytes,
 )
@@ -120,8 +122,9 @@ def measure_speed(model, systems: list[System], prompts: list[dict], rounds: int
 
 
 def measure_step_splits(model, systems: list[System], inputs: dict) -> list[dict]:
-    """Per system, where a decode step's time goes (`step_split`): one extra, hooked generate call each."""
-    return [step_split(system.model or model, inputs, system.config)
+    """Per system, where a decode step's time goes (`step_split`): one extra, hooked generate call each; None for
+    compiled systems (a hook inside a captured graph would time nothing, or break the graph it times)."""
+    return [None if is_compiled(system.config) else step_split(system.model or model, inputs, system.config)
             for system in tqdm(systems, desc="step split (hooked)", file=sys.stderr)]
 
 
@@ -139,10 +142,11 @@ def system_records(systems: list[System], timings: dict[str, list[Timing]],
     """One record per system; `fidelity` None: not measured (every fidelity field None)."""
     base = median_rate(timings[BACKBONE])
     static = median_rate(timings[STATIC_FULL_QUANT]) if STATIC_FULL_QUANT in timings else None
+    compiled = median_rate(timings[COMPILED_BACKBONE]) if COMPILED_BACKBONE in timings else None
     records = []
     for system in systems:
         runs = timings[system.name]
-        summary = speed_summary(runs, base, static)
+        summary = speed_summary(runs, base, static, compiled)
         summary.update(depth_summary(runs, system.kind, twins))
         records.append({**system.describe(), "summary": summary,
                         "fidelity": _fidelity_record(fidelity.get(system.name)) if fidelity is not None
@@ -151,11 +155,13 @@ def system_records(systems: list[System], timings: dict[str, list[Timing]],
     return records
 
 
-def speed_summary(runs: list[Timing], base_rate: float, static_rate: float | None) -> dict:
+def speed_summary(runs: list[Timing], base_rate: float, static_rate: float | None,
+                  compiled_rate: float | None = None) -> dict:
     rate = median_rate(runs)
     peaks = [run.cuda_peak_bytes for run in runs if run.cuda_peak_bytes is not None]
     return {"decode_tokens_per_s": rate, "speed_ratio": rate / base_rate,
             "ratio_vs_static_full_quant": rate / static_rate if static_rate else None,
+            "ratio_vs_compiled_backbone": rate / compiled_rate if compiled_rate else None,
             "ms_per_token": 1000 / rate, "backbone_ms_per_token": _median_ms(runs, "backbone"),
             "skipped_ms_per_token": _median_ms(runs, "skipped"),
             "prefill_ms": 1000 * statistics.median(run.prefill_s for run in runs),

@@ -32,6 +32,7 @@ from .systems import (
     BACKBONE,
     System,
     _copy_containers,
+    compiled_systems,
     fixed_length,
     random_systems,
     static_full_quant,
@@ -67,10 +68,11 @@ def with_head(static_model, head):
 
 def scaling_systems(model, quant: RiverQuantConfig, max_new_tokens: int, exit_rates=SCALING_EXIT_RATES,
                     seed: int = 0, build=build_river, stages: dict | None = None,
-                    twin_bits=TWIN_BITS) -> list[System]:
+                    twin_bits=TWIN_BITS, compiled: bool = False) -> list[System]:
     """Build the rivers of `twin_bits` on `model` (it ends as the last one: the 4-bit river with the quantized head
     when 4 is among them) and return the systems. `build(model, config)` builds one river (default `build_river`,
-    with its progress bar); `stages` gets the peak RSS after each build."""
+    with its progress bar); `stages` gets the peak RSS after each build. `compiled` adds the compiled static-cache
+    backbone and the captured river systems (`systems.compiled_systems`)."""
     fixed, configs = fixed_length(max_new_tokens), twin_configs(quant, twin_bits)
     stages = stages if stages is not None else {}
     stages["backbone"] = peak_rss_bytes()
@@ -87,7 +89,8 @@ def scaling_systems(model, quant: RiverQuantConfig, max_new_tokens: int, exit_ra
     return [System(BACKBONE, "backbone", plain),
             System(f"full-quant {last} (river)", "full-quant", RiverConfig(**FULL_QUANT_RIVER, **fixed), tau=-1.0),
             *_static_systems(statics, head, plain),
-            *random_systems(list(exit_rates), seed, fixed)]
+            *random_systems(list(exit_rates), seed, fixed),
+            *(compiled_systems(str(model.device), fixed, exit_rates, seed) if compiled else [])]
 
 
 def _static_systems(statics: dict, head, plain) -> list[System]:
@@ -104,14 +107,17 @@ def _static_systems(statics: dict, head, plain) -> list[System]:
 def bench_random_model(name: str, settings: BenchSettings, quant: RiverQuantConfig, *, device: str = "cpu",
                        exit_rates=SCALING_EXIT_RATES, seed: int = 0, prompt_length: int = PROMPT_LENGTH,
                        build=build_river, arguments: dict | None = None, twin_bits=TWIN_BITS,
-                       dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The whole scaling bench of shape `name` as one JSON-ready record (speed, memory, bytes; no fidelity)."""
+                       dtype: torch.dtype = torch.bfloat16, compiled: bool | None = None) -> dict:
+    """The whole scaling bench of shape `name` as one JSON-ready record (speed, memory, bytes; no fidelity).
+    `compiled` (default: on CUDA) adds the compiled backbone and the captured river systems."""
+    compiled = torch.device(device).type == "cuda" if compiled is None else compiled
     started = environment()
     model = random_model(name, seed=seed, device=device, dtype=dtype)
     parameters = model.num_parameters()
     stages: dict[str, int] = {}
     with plain_rounding():  # random weights: HQQ's optimizer would change codes nobody reads, for minutes
-        systems = scaling_systems(model, quant, settings.max_new_tokens, exit_rates, seed, build, stages, twin_bits)
+        systems = scaling_systems(model, quant, settings.max_new_tokens, exit_rates, seed, build, stages, twin_bits,
+                                  compiled)
     prompts = random_prompts(model.config.vocab_size, settings.prompts, prompt_length, seed, device)
     record = run_bench(model, prompts, settings, systems, fidelity=False)
     texts = [f"{prompt_length} random token ids (seed {seed}, prompt {idx})" for idx in range(settings.prompts)]

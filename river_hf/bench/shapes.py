@@ -18,16 +18,19 @@ SHAPES = {name: dict(zip(_FIELDS, values)) for name, values in {
     "qwen-0.5b": (896, 24, 4864, 14, 2, 151936),   # Qwen2.5-0.5B's widths on the Llama architecture
     "llama-3.2-1b": (2048, 16, 8192, 32, 8, 128256),
     "llama-3.2-3b": (3072, 28, 8192, 24, 8, 128256),
+    "llama-3.1-8b": (4096, 32, 14336, 32, 8, 128256),
     "tiny-test": (64, 2, 128, 4, 2, 256),
 }.items()}
+UNTIED = {"llama-3.1-8b"}  # the shapes whose checkpoints keep an LM head of their own (the smaller ones tie it)
 PROMPT_LENGTH = 64  # tokens per random prompt (a short chat turn)
 
 
 def shape_config(name: str) -> LlamaConfig:
-    """The LlamaConfig of shape `name` (tied embeddings, no special tokens: every run generates a fixed length)."""
+    """The LlamaConfig of shape `name` (embeddings tied as its checkpoint ties them, no special tokens: every run
+    generates a fixed length)."""
     if name not in SHAPES:
         raise ValueError(f"`random_model`={name!r} is not a known shape; choose one of {sorted(SHAPES)}.")
-    return LlamaConfig(**SHAPES[name], tie_word_embeddings=True, max_position_embeddings=4096,
+    return LlamaConfig(**SHAPES[name], tie_word_embeddings=name not in UNTIED, max_position_embeddings=4096,
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 

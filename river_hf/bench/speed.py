@@ -74,7 +74,8 @@ def time_generate(model, inputs: dict, generation_config, profile: bool = False)
     generation_config = copy.deepcopy(generation_config)  # the caller's config stays as it was
     generation_config.return_dict_in_generate = True  # for the cache and its exit record
     extra = {}
-    if profile and isinstance(generation_config, RiverConfig):  # generate gives it its router and strategy
+    # generate gives the profiled cache its router and strategy; a static cache's steps are captured, not profiled
+    if profile and isinstance(generation_config, RiverConfig) and generation_config.cache_implementation is None:
         extra["cache"] = RiverCache(config=model.config.get_text_config(decoder=True))
         extra["cache"].profile = True
     out = model.generate(**inputs, generation_config=generation_config, streamer=clock, **extra)

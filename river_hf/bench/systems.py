@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
-from transformers import GenerationConfig
+from transformers import CompileConfig, GenerationConfig
 
 from ..architectures import find_decoder_layers
 from ..config import bits_label
@@ -94,6 +94,36 @@ def signal_systems(signal: str, taus: list[float], fixed: dict, signal_layer: in
     """The river with one exit signal at each tau (the paper's cosine keeps the plain names `tau=t`)."""
     extra = {"signal_layer": signal_layer} if signal == "cosine_first" and signal_layer is not None else {}
     return [river_system(tau, fixed, exit_signal=signal, **extra) for tau in taus]
+
+
+COMPILED_BACKBONE = "backbone (compiled)"
+CAPTURED = " (captured)"  # the name suffix of a river system whose decode steps run as captured graphs
+
+
+def compile_config(device: str) -> CompileConfig:
+    """transformers' CompileConfig for the static-cache decode step: its defaults (inductor, CUDA graphs) on CUDA;
+    elsewhere inductor's default mode, with the flag that lets transformers compile on that device at all."""
+    if torch.device(device).type == "cuda":
+        return CompileConfig()
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True
+    return config
+
+
+def is_compiled(config: GenerationConfig) -> bool:
+    """A system whose decode steps transformers compiles (a static cache with a compile config)."""
+    return getattr(config, "cache_implementation", None) == "static" and config.compile_config is not None
+
+
+def compiled_systems(device: str, fixed: dict, exit_rates=(), seed: int = 0) -> list[System]:
+    """What a user who knows transformers' static cache and compile has (the compiled backbone), and the river's
+    systems captured the same way (river_hf.capture): full quantization and random routing at each rate."""
+    static = dict(fixed, cache_implementation="static", compile_config=compile_config(device))
+    return [System(COMPILED_BACKBONE, "backbone", GenerationConfig(**static)),
+            System(FULL_QUANT + CAPTURED, "full-quant", RiverConfig(**FULL_QUANT_RIVER, **static), tau=-1.0),
+            *[System(f"random p={rate:g}{CAPTURED}", "random",
+                     RiverConfig(exit_signal="random", exit_rate=rate, seed=seed, **static), exit_rate=rate,
+                     signal="random") for rate in exit_rates]]
 
 
 def random_systems(rates: list[float], seed: int, fixed: dict) -> list[System]:

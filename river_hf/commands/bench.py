@@ -71,6 +71,12 @@ def _add_random_model_args(parser: argparse.ArgumentParser) -> None:
                             "only the 4-bit twins with the 8-bit head, where two builds do not fit in memory; "
                             "`--twin-bits 8` only the 8-bit twins, with the 8-bit head (with --activations int8: W8A8 "
                             "twins).")
+    group.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                       help="Also run transformers' compiled static-cache backbone (`cache_implementation='static'` "
+                            "with its compile config: what a user who knows HF's switches has) and the river's "
+                            "captured decode steps (full quantization, random routing); ratios against the compiled "
+                            "backbone get their own column. Default: on with --device cuda, off on CPU (inductor "
+                            "takes minutes there).")
 
 
 def _add_sweep_args(parser: argparse.ArgumentParser) -> None:
@@ -191,7 +197,7 @@ def _run_random_model(args: argparse.Namespace, quant_config, settings, output) 
     record = bench_random_model(args.random_model, settings, quant_config, device=args.device, exit_rates=exit_rates,
                                 seed=args.seed, prompt_length=args.prompt_length, build=common.build,
                                 arguments=common.arguments(args), twin_bits=tuple(args.twin_bits),
-                                dtype=common.random_model_dtype(args))
+                                dtype=common.random_model_dtype(args), compiled=args.compiled)
     output = records.write_record(record, output)
     print(report.markdown_table(record))
     print(f"\nrecord: {output}")

@@ -1,0 +1,108 @@
+"""The river's decode steps captured (static cache + torch.compile, river_hf.capture) against the compiled backbone.
+
+    python examples/captured_decode.py                          # packaged SmolLM2-135M, GSM8K + chat prompts
+    python examples/captured_decode.py --rounds 3 --tau 0.3 --max-new-tokens 64
+    python examples/captured_decode.py --model PATH_OR_HUB_ID --device cuda --mode reduce-overhead
+
+Systems, each one `generate` call per prompt, interleaved after a warm-up that pays the compilation (its seconds are
+printed): the backbone eager (dynamic cache) and compiled (transformers' `cache_implementation="static"` with its
+`compile_config`: what a user who knows HF's switches already has), the default river (the confidence signal) eager and
+captured, and full quantization (every decode step on the twins) captured. Ratios are against the compiled backbone.
+`match` is the share of each system's new tokens equal to the eager backbone's, position by position, until the
+first difference (greedy decoding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import CompileConfig, GenerationConfig
+
+from river_hf import RiverConfig, RiverQuantConfig, build_river, river_layers
+from river_hf.bench.data import load_prompts
+from river_hf.bench.speed import time_generate
+from river_hf.models import build_chat_inputs, load_model_and_tokenizer
+
+CHAT = ["Write a short poem about the sea.", "Explain what a hash table is to a beginner.",
+        "Give three tips for staying focused while studying."]
+
+
+def systems(args) -> dict:
+    compile_config = CompileConfig(mode=args.mode, fullgraph=False)
+    compile_config._compile_all_devices = True  # transformers compiles on CUDA by itself; on CPU only when told
+    fixed = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False)
+    static = dict(cache_implementation="static", compile_config=compile_config)
+    return {
+        "backbone eager": GenerationConfig(**fixed),
+        "backbone compiled": GenerationConfig(**fixed, **static),
+        "river eager": RiverConfig(tau=args.tau, **fixed),
+        "river captured": RiverConfig(tau=args.tau, **fixed, **static),
+        "full quantization captured": RiverConfig(tau=-1.0, **fixed, **static),
+    }
+
+
+def prefix_match(tokens: list[int], reference: list[int]) -> tuple[int, int]:
+    """(tokens equal to the reference before the first difference, tokens compared)."""
+    same = 0
+    for token, expected in zip(tokens, reference):
+        if token != expected:
+            break
+        same += 1
+    return same, len(reference)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="A hub id or local path (default: the packaged SmolLM2).")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--mode", default=None, help="torch.compile mode (default: inductor's; CUDA: reduce-overhead)")
+    parser.add_argument("--tau", type=float, default=0.3, help="the confidence signal's tau (its default: 0.3)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--gsm8k", type=int, default=3, help="GSM8K questions (beside the chat prompts)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=torch.bfloat16)
+    model = build_river(model.to(args.device), RiverQuantConfig())
+    prompts = [build_chat_inputs(tokenizer, text) for text in CHAT + load_prompts(args.gsm8k).prompts]
+    prompts = [{key: value.to(args.device) for key, value in inputs.items()} for inputs in prompts]
+    configs = systems(args)
+    warm_up = {}
+    for name, config in configs.items():  # the compiled systems compile here
+        started = time.perf_counter()
+        time_generate(model, prompts[0], config)
+        warm_up[name] = time.perf_counter() - started
+    timings = {name: [] for name in configs}
+    for _ in range(args.rounds):
+        for inputs in prompts:
+            for name, config in configs.items():
+                timings[name].append(time_generate(model, inputs, config))
+    return report(args, warm_up, timings, num_layers=len(river_layers(model)))
+
+
+def report(args, warm_up: dict, timings: dict, num_layers: int) -> dict:
+    base = statistics.median(t.decode_tokens_per_s for t in timings["backbone compiled"])
+    reference = timings["backbone eager"]
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU {torch.backends.cpu.get_cpu_capability()}"
+    print(f"{device}, {torch.get_num_threads()} threads, torch {torch.__version__}; {len(reference)} runs per system "
+          f"({args.rounds} rounds), {args.max_new_tokens} new tokens, confidence tau {args.tau}")
+    print(f"{'system':28s} {'warm-up s':>9s} {'tok/s':>7s} {'x compiled backbone':>19s} {'exit share':>10s} "
+          f"{'match':>6s}")
+    results = {}
+    for name, runs in timings.items():
+        rate = statistics.median(t.decode_tokens_per_s for t in runs)
+        exited = [depth < num_layers for t in runs for depth in (t.exit_depths or [])]
+        share = sum(exited) / len(exited) if exited else 0.0
+        pairs = [prefix_match(t.token_ids, r.token_ids) for t, r in zip(runs, reference)]
+        match = sum(same for same, _ in pairs) / sum(total for _, total in pairs)
+        results[name] = dict(warm_up_s=warm_up[name], tokens_per_s=rate, ratio=rate / base, exit_share=share,
+                             match=match)
+        print(f"{name:28s} {warm_up[name]:9.1f} {rate:7.1f} {rate / base:19.2f} {share:10.0%} {match:6.1%}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
