@@ -1,8 +1,8 @@
 """The backbone's dtype, chosen by measurement on this machine: `fastest_dtype(model)`.
 
 Why measure: a decode step is batch-1 GEMVs, which read every weight once. bf16 halves fp32's bytes, and on the CPUs
-where this project compared them it decodes faster (SmolLM2 on a 2-core AVX2 EPYC: 1.44-1.59x, docs/benchmarks.md,
-"The backbone's dtype"; on AVX-512-BF16 CPUs 1.2-2x, docs/zen4.md and shared FACTS.md), but only where the CPU
+where this project compared them it decodes faster (SmolLM2 on a 2-core AVX2 EPYC: 1.44-1.59x, benchmarks/README.md,
+"The backbone's dtype"; on AVX-512-BF16 CPUs 1.2-2x, benchmarks/zen4.md and shared FACTS.md), but only where the CPU
 converts bf16 fast enough to stay memory-bound, which a CPU without AVX2 need not. So the two candidates (bf16,
 fp32) are timed on a batch-1 GEMV at the model's MLP shape ([intermediate, hidden], its largest layer matmul),
 cache-cold and interleaved as the twins' kernels are (`kernel_choice`), and bf16 keeps its place (half the memory)

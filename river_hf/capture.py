@@ -18,7 +18,7 @@ outside the graph.
 A similarity signal between the extremes (cosine, update_norm, cosine_first) reads the step's hidden states after
 each eligible layer: such steps run eagerly, layer by layer, over the static cache. A compiled step would break its
 graph at every decision, and capturing each layer on its own recompiles per `layer_idx` (the attention indexes the
-cache with it): examples/compile_twins.py measured even the index-free parts of a layer compiled as slower on CPU.
+cache with it): benchmarks/scripts/compile_twins.py measured even the index-free parts of a layer compiled as slower on CPU.
 """
 
 from __future__ import annotations
@@ -105,11 +105,12 @@ def check_passed_static_cache(cache, input_length: int, max_new_tokens: int | No
     """A RiverStaticCache the caller passed must have room for the prompt and every new token."""
     if not isinstance(cache, RiverStaticCache) or max_new_tokens is None:
         return
-    needed = cache.recorded_length + input_length + max_new_tokens
+    # the input holds the cached positions too when a call continues from a cache (transformers skips them)
+    needed = max(cache.recorded_length, input_length) + max_new_tokens
     if needed > cache.max_cache_len:
         raise ValueError(f"`cache`: this RiverStaticCache holds {cache.max_cache_len} positions, and this call needs "
-                         f"{needed} ({cache.recorded_length} cached + {input_length} prompt + {max_new_tokens} new); make "
-                         f"it with a larger `max_cache_len`, or lower `max_new_tokens`.")
+                         f"{needed} ({max(cache.recorded_length, input_length)} in the input + {max_new_tokens} new); "
+                         f"make it with a larger `max_cache_len`, or lower `max_new_tokens`.")
 
 
 class CapturedDecode:

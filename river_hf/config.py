@@ -26,7 +26,7 @@ PER_ROW_NBITS = 8  # schedule entries and LM heads of this many bits are quantiz
 OFFLOAD_DESTINATIONS = ("disk", "cpu")  # where river_hf.offload_backbone keeps offloaded backbone weights
 DEFAULT_OFFLOAD_MAX_SHARE = 0.05  # "auto" offloads backbone layers run by fewer than this share of decoded tokens
 # nbits="auto", the default: 4-bit twins for the first quarter of the river layers, 8-bit (per row) after. Measured on
-# SmolLM2 (docs/benchmarks.md, "Twin precision per layer"): exited tokens always run the deepest layers on twins, so
+# SmolLM2 (benchmarks/README.md, "Twin precision per layer"): exited tokens always run the deepest layers on twins, so
 # precision belongs there; all-4-bit twins lose 12 pp of match at full quantization, all-8-bit ones 20% of the speed.
 AUTO_NBITS = "auto"
 LORA_TWINS = ("full_precision", "merged")  # a LoRA-adapted linear's twin (river_hf.adapters.twin_of_adapted)

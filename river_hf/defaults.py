@@ -3,7 +3,7 @@
 A river is only worth running where a step on the twins is faster than a step on the backbone. That depends on the
 machine as much as on the model: on an AVX2-only CPU the twins' kernels gain 1.3-1.5x per matmul, and at 135M
 parameters the matmuls are only ~40% of a step, so a fully exited step of SmolLM2 is no faster than a backbone step
-(docs/benchmarks.md, "AVX2"); on an AVX-512-BF16 CPU it is 1.5x faster. So the first `generate` that leaves tau to
+(benchmarks/README.md, "AVX2"); on an AVX-512-BF16 CPU it is 1.5x faster. So the first `generate` that leaves tau to
 its default measures, once per river, a decode step that exits as early as allowed against a backbone step
 (interleaved, in this process, on this machine): the `ExitGain`. Where the exited step is at least `MIN_GAIN` faster,
 tau="auto" is the signal's `DEFAULT_TAUS` entry; where it is not, tau="auto" exits nothing, `generate` runs the plain

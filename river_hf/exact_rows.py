@@ -4,7 +4,7 @@ A pass over k + 1 tokens gives the same numbers as k + 1 one-token steps only up
 several rows at once sum in another order. Measured on the project's AVX2 CPU with SmolLM2-135M: in bf16 the linears
 are batch-invariant there (a 5-row matmul equals five 1-row ones bit for bit) but attention over 5 queries with a
 causal mask is not; in fp32 neither is. A near-tie argmax then flips some tokens
-later, so greedy lossless decoding drifted from the plain model's output (docs/lossless.md; `examples/verify_rows.py`
+later, so greedy lossless decoding drifted from the plain model's output (docs/lossless.md; `benchmarks/scripts/verify_rows.py`
 measures it).
 
 Inside `ExactRows(model).rows(k + 1)`:
@@ -95,7 +95,7 @@ _BATCH_INVARIANT: dict[tuple, bool] = {}
 # kernel that sums in another order for several rows differs from one-row calls only where the fp32 difference moves
 # a bf16 rounding: on an AMD EPYC with AVX-512-BF16 (no AMX), SmolLM2's 1536 -> 576 linear at 5 rows differed in ~1 of
 # 8000 outputs, so one random input (2880 outputs) said "invariant" and greedy lossless decoding drifted
-# (docs/zen4.md#lossless-mode).
+# (benchmarks/zen4.md#lossless-mode).
 PROBE_OUTPUTS = 1 << 18
 MAX_PROBES = 64
 

@@ -96,7 +96,7 @@ def without_river_fields(generation_config):
 # A river's `generate` runs under `torch.inference_mode` instead of transformers' `no_grad`: at batch 1 a decode step
 # is hundreds of ops of a few µs each, and autograd's per-op bookkeeping (version counters, view tracking) is a share
 # of every one. Plain and river steps alike (the backbone a bench compares against runs the same way); measured in
-# docs/benchmarks.md#inference-mode-every-generate-runs-under-torchinference_mode (`examples/inference_mode.py`
+# benchmarks/README.md#inference-mode-every-generate-runs-under-torchinference_mode (`benchmarks/scripts/inference_mode.py`
 # switches this off to compare).
 GENERATE_IN_INFERENCE_MODE = True
 

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from .architectures import find_decoder_layers
 from .checks import check_choice
 from .config import OFFLOAD_DESTINATIONS
+from .freed_memory import release_freed_memory
 from .layers import RiverLayer, river_layers
 from .offload_choice import choose_layers
 from .user_cache import data_root
@@ -151,6 +152,7 @@ def offload_backbone(model: nn.Module, layers="auto", to: str = "disk", folder: 
         store.cleanup()
         raise
     _mark_device_map(model, store, [name for name, _, _ in plan])
+    release_freed_memory()  # the resident copies just dropped: RssAnon falls now, not whenever glibc reuses them
     return model
 
 

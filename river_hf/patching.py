@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from .adapters import river_host
 from .architectures import UnsupportedModelError, find_decoder_layers, output_embedding
 from .config import RiverQuantConfig
+from .freed_memory import release_freed_memory
 from .generation import RiverGenerationMixin
 from . import ort_kernel
 from .layers import AdapterLoadingMixin, AdapterSavingMixin, RiverLayer, make_twin, twin_linears
@@ -130,6 +131,7 @@ def remove_river(model: nn.Module) -> nn.Module:
             layers[idx] = layer.base_layer
     remove_lm_head(model)
     model.__class__ = model.__class__._river_base_class
+    release_freed_memory()  # the twins are gone: their memory goes back to the system now
     return model
 
 

@@ -17,7 +17,7 @@ from .strategies import strategy_names
 
 AUTO_TAU = "auto"  # tau's default: the signal's entry below where exiting pays on this machine (river_hf.defaults)
 # The default tau of each signal, measured on the packaged SmolLM2-135M with the default twins (4-bit for the first
-# quarter of the river layers, 8-bit after, 8-bit LM head), GSM8K and chat prompts (docs/benchmarks.md, "Defaults").
+# quarter of the river layers, 8-bit after, 8-bit LM head), GSM8K and chat prompts (benchmarks/README.md, "Defaults").
 # confidence's tau is a probability, so it means the same on any model; a cosine's depends on the model (the
 # paper's 0.5-0.9 suits Llama-3; on SmolLM2 it exits nearly every token after 2 layers).
 DEFAULT_TAUS = {"confidence": 0.3, "cosine": 0.975}

@@ -327,9 +327,17 @@ def test_gsm8k_is_found_through_the_environment(tmp_path, monkeypatch):
     assert found.prompts == ["q1", "q2"] and found.source == str(tmp_path / "gsm8k" / "train.jsonl")
 
 
+def test_the_packaged_gsm8k_needs_nothing_beside_the_package(monkeypatch):
+    monkeypatch.delenv(bench_data.DATA_ENV, raising=False)
+    test, train = bench_data.load_prompts(3), bench_data.load_prompts(3, split="train")
+    assert test.source == str(bench_data.PACKAGED_DATA / "gsm8k" / "test.jsonl") and len(test.prompts) == 3
+    assert train.prompts[0] != test.prompts[0]  # calibration's split is not the bench's
+    assert (bench_data.PACKAGED_DATA / "gsm8k" / "LICENSE").read_text().startswith("MIT License")
+
+
 def test_missing_gsm8k_says_where_it_looked(tmp_path, monkeypatch):
     monkeypatch.setenv(bench_data.DATA_ENV, str(tmp_path))
-    monkeypatch.setattr(bench_data, "REPO_ROOT", tmp_path / "repo")
+    monkeypatch.setattr(bench_data, "PACKAGED_DATA", tmp_path / "package")
     with pytest.raises(ValueError, match="RIVER_HF_DATA.*`--data`"):
         bench_data.load_prompts(2)
 

@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import sys
 
 import pytest
 import torch
@@ -191,3 +192,20 @@ def test_compiled_systems_are_measured_against_the_compiled_backbone(tmp_path):
     assert set(captured["runs"][0]["exit_depths"]) == {1}  # every decoded token on the twins
     assert captured["summary"]["step_split_ms_per_token"] is None
     assert "vs compiled backbone" in stdout and "| full-quant (captured) |" in stdout
+
+
+def test_without_matplotlib_the_record_stays_and_the_extra_is_named(tmp_path, monkeypatch, capsys):
+    import river_hf.bench
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ModuleNotFoundError
+    monkeypatch.delitem(sys.modules, "river_hf.bench.plots", raising=False)
+    monkeypatch.delattr(river_hf.bench, "plots", raising=False)
+    output = tmp_path / "no-plots.json"
+    code, _ = run_cli(["bench", "--random-model", "tiny-test", "--quick", "--prompts", "1", "--rounds", "1",
+                       "--max-new-tokens", "2", "--prompt-length", "4", "--start-layer", "1", "--twin-bits", "4",
+                       "--backend", "auto", "--output", str(output)])
+    assert code == 0 and json.loads(output.read_text())["systems"]
+    assert "plots skipped: they need matplotlib (`pip install river-hf[bench]`)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_cli(["plot", str(output), "--output", str(tmp_path / "p.svg")])
+    assert "`river-hf plot` draws with matplotlib: `pip install river-hf[bench]`" in capsys.readouterr().err

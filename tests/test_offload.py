@@ -277,3 +277,39 @@ def test_config_checks_the_offload_fields():
         RiverQuantConfig(offload="disk", offload_layers=[2], offload_max_share=0)
     config = RiverQuantConfig(offload="disk", offload_exit_histogram={"1": 3})
     assert RiverQuantConfig.from_dict(config.to_dict()).offload_exit_histogram == {"1": 3}
+
+
+_RSS_CHILD = """
+import json, sys, tempfile
+import torch, transformers
+import river_hf
+from river_hf.bench.memory import proc_status
+from river_hf.offload import weight_residency
+from river_hf.quantize import plain_rounding
+
+config = transformers.LlamaConfig(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                                  num_key_value_heads=4, vocab_size=256)
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+with plain_rounding():
+    river_hf.build_river(model, river_hf.RiverQuantConfig(start_layer=2, nbits=4, backend="auto",
+                                                          quantize_lm_head=False), progress=False)
+before = proc_status()["RssAnon"]
+river_hf.offload_backbone(model, layers=list(range(2, 8)), to="disk", folder=tempfile.mkdtemp(), progress=False)
+after = proc_status()["RssAnon"]
+print(json.dumps({"before": before, "after": after, "offloaded": weight_residency(model)["offloaded_bytes"]}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc (Linux)")
+def test_offloading_hands_the_memory_back_right_away():
+    """RssAnon falls by at least 40% of the offloaded weights' bytes right after `offload_backbone` (issue 33's
+    target), in a process of its own so that nothing else moves its memory."""
+    import json
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", _RSS_CHILD], capture_output=True, text=True, check=True)
+    memory = json.loads(child.stdout.strip().splitlines()[-1])
+    assert memory["offloaded"] > 40 * 2**20  # six layers of ~8.4 MB each
+    assert memory["before"] - memory["after"] >= 0.4 * memory["offloaded"], memory

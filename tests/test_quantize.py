@@ -277,7 +277,7 @@ def test_input_on_another_device_is_refused():
 
 
 def test_bench_kernels_example_runs(capsys):
-    path = Path(__file__).resolve().parent.parent / "examples" / "bench_kernels.py"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "scripts" / "bench_kernels.py"
     spec = importlib.util.spec_from_file_location("bench_kernels", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -389,7 +389,7 @@ def test_load_time_example_times_every_load(saved_tiny_model, tmp_path, capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "load_time.py"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "scripts" / "load_time.py"
     spec = importlib.util.spec_from_file_location("load_time", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

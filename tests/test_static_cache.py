@@ -90,12 +90,20 @@ def test_the_model_generation_config_can_ask_for_it(prompt_ids):
     assert type(generate(model, prompt_ids).cache).__name__ == "StaticCache"
 
 
-def test_kv_integrity_finds_an_unwritten_static_slot(prompt_ids):
+def test_kv_integrity_finds_a_static_layer_that_skipped_a_step(prompt_ids):
+    """A static layer writes at its own running count: one that skipped a step holds one position fewer."""
     cache = generate(river_of(tiny_model()), prompt_ids, tau=-1, cache_implementation="static").cache
     with torch.inference_mode():  # the buffers were made inside generate's inference mode
-        cache.layers[3].keys[:, :, 4] = 0
-    with pytest.raises(river_hf.KVIntegrityError, match=r"layer 3 keys never wrote position\(s\) \[4\]"):
+        cache.layers[3].cumulative_length.sub_(1)
+    with pytest.raises(river_hf.KVIntegrityError, match="layer 3 holds 19 positions, expected 20"):
         cache.check_kv_integrity()
+
+
+def test_static_kv_integrity_holds_for_a_left_padded_batch(left_padded_batch):
+    """Padded positions may hold all-zero keys (a zero pad embedding): they are written, and the check says so."""
+    ids, mask = left_padded_batch
+    out = generate(river_of(tiny_model()), ids, mask, tau=-1, cache_implementation="static")
+    out.cache.check_kv_integrity()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

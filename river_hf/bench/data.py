@@ -1,8 +1,9 @@
 """Where the bench's data comes from: GSM8K, HumanEval, a local JSONL of prompts, or a hub dataset.
 
-One data root: `$RIVER_HF_DATA` when set, then `<repo>/../shared/data` (the project's checkout keeps a copy there);
-GSM8K lives in `gsm8k/{train,test}.jsonl` below it. Benchmarks use the test split, calibration the train split, so
-a tau is never chosen on the prompts it is then measured on.
+Data roots: `$RIVER_HF_DATA` when set, then the package's own `river_hf/data` (installed with it: GSM8K's whole test
+split and the first 500 questions of its train split, MIT, LICENSE beside them). GSM8K lives in
+`gsm8k/{train,test}.jsonl` below a root. Benchmarks use the test split, calibration the train split, so a tau is never
+chosen on the prompts it is then measured on.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 DATA_ENV = "RIVER_HF_DATA"
 PROMPT_FIELDS = ("question", "prompt")  # the first one a record has is the user message
-REPO_ROOT = Path(__file__).resolve().parents[2]
+PACKAGED_DATA = Path(__file__).resolve().parents[1] / "data"  # river_hf/data, shipped as package data
 
 
 @dataclass
@@ -24,9 +25,9 @@ class PromptSet:
 
 
 def data_roots() -> list[Path]:
-    """Folders that may hold `gsm8k/`, in the order they are tried: $RIVER_HF_DATA, then the default root."""
+    """Folders that may hold `gsm8k/`, in the order they are tried: $RIVER_HF_DATA, then the package's own data."""
     roots = [Path(os.environ[DATA_ENV]).expanduser()] if os.environ.get(DATA_ENV) else []
-    return roots + [REPO_ROOT.parent / "shared" / "data"]
+    return roots + [PACKAGED_DATA]
 
 
 def gsm8k_path(split: str) -> Path:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 
-import ctypes
-import gc
 import json
 import sys
 import threading
@@ -22,6 +20,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..config import RiverQuantConfig
+from ..freed_memory import release_freed_memory
 from ..generation import RiverConfig
 from ..models import load_model_and_tokenizer
 from ..offload import offload_backbone, weight_residency
@@ -42,14 +41,6 @@ def proc_status() -> dict[str, int]:
             if key in STATUS_FIELDS:
                 values[key] = int(rest.split()[0]) * 1024
     return values
-
-
-def release_freed_memory() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back to the system (glibc)
-    except (OSError, AttributeError):
-        pass
 
 
 def reset_peak() -> None:

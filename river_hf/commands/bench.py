@@ -180,10 +180,9 @@ def run(args: argparse.Namespace) -> int:
     output = records.write_record(record, output)
     print(report.strategy_table(record) if args.strategies else report.markdown_table(record))
     print(f"\nrecord: {output}")
-    if not args.no_plots:
-        from ..bench.plots import write_plots
-
-        print("plots: " + ", ".join(map(str, write_plots(record, output))))
+    plots = None if args.no_plots else common.bench_plots()
+    if plots is not None:
+        print("plots: " + ", ".join(map(str, plots.write_plots(record, output))))
     return 0
 
 
@@ -201,10 +200,9 @@ def _run_random_model(args: argparse.Namespace, quant_config, settings, output) 
     output = records.write_record(record, output)
     print(report.markdown_table(record))
     print(f"\nrecord: {output}")
-    if not args.no_plots:
-        from ..bench.plots import FIGURE_SUFFIX, save, scaling_figure
-
-        path = output.with_name(output.stem + "-scaling" + FIGURE_SUFFIX)
-        save(scaling_figure([record]), path)
+    plots = None if args.no_plots else common.bench_plots()
+    if plots is not None:
+        path = output.with_name(output.stem + "-scaling" + plots.FIGURE_SUFFIX)
+        plots.save(plots.scaling_figure([record]), path)
         print(f"plot: {path}")
     return 0

@@ -43,6 +43,23 @@ def user_errors(prefix: str = ""):
 
 
 # ---- argument types ---------------------------------------------------------------------------------------------
+PLOTS_EXTRA = "pip install river-hf[bench]"
+
+
+def bench_plots():
+    """river_hf.bench.plots, or None with a note on stderr when matplotlib is missing (the `bench` extra): a bench
+    has written its record by then, and the record stays."""
+    try:
+        from ..bench import plots
+    except ModuleNotFoundError as error:
+        if error.name != "matplotlib":
+            raise
+        print(f"plots skipped: they need matplotlib (`{PLOTS_EXTRA}`); the record is complete without them.",
+              file=sys.stderr)
+        return None
+    return plots
+
+
 def int_at_least(minimum: int, text: str) -> int:
     try:
         value = int(text)
@@ -318,7 +335,7 @@ def add_prompt_args(parser: argparse.ArgumentParser, split: str) -> None:
     group = parser.add_argument_group("prompts")
     group.add_argument("--data", default=None, metavar="PATH",
                        help=f"A local JSONL file with a 'question' or 'prompt' field per line (default: GSM8K {split} "
-                            f"questions from $RIVER_HF_DATA/gsm8k, else ../shared/data/gsm8k beside the repository).")
+                            f"questions from $RIVER_HF_DATA/gsm8k, else the subset shipped in river_hf/data/gsm8k).")
     group.add_argument("--dataset", default=None, metavar="HUB_ID[:CONFIG]",
                        help="A hub dataset instead, e.g. openai/gsm8k:main (needs the `datasets` package).")
     group.add_argument("--split", default=split, help="Split of GSM8K / --dataset (default: %(default)s).")

@@ -31,7 +31,7 @@ def add_parser(subparsers) -> None:
                        help="Exemplars from the train split, the first K in file order (default: %(default)s).")
     gsm8k.add_argument("--data", default=None, metavar="PATH",
                        help="A folder with train.jsonl and test.jsonl, or a test JSONL file (default: $RIVER_HF_DATA/"
-                            "gsm8k, else ../shared/data/gsm8k beside the repository).")
+                            "gsm8k, else the GSM8K subset shipped in river_hf/data/gsm8k).")
     gsm8k.add_argument("--dataset", default=None, metavar="HUB_ID",
                        help="Read the hub dataset instead, e.g. openai/gsm8k (needs the `datasets` package).")
     _add_eval_args(gsm8k, "gsm8k", run_gsm8k)

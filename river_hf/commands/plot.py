@@ -26,7 +26,12 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..bench.plots import FIGURE_SUFFIX, precisions_figure, save, scaling_figure
+    try:
+        from ..bench.plots import FIGURE_SUFFIX, precisions_figure, save, scaling_figure
+    except ModuleNotFoundError as error:
+        if error.name != "matplotlib":
+            raise
+        raise CLIError(f"`river-hf plot` draws with matplotlib: `{common.PLOTS_EXTRA}`.") from None
     from ..bench.records import default_name
 
     output = common.output_path(args, default_name("plot", FIGURE_SUFFIX))

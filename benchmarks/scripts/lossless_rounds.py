@@ -1,6 +1,6 @@
 """How noisy one lossless round's cost per token is: what the fallback rule's margin is sized from.
 
-    python examples/lossless_rounds.py [--prompts 3] [--max-new-tokens 128] [--k 4 8] [--nbits auto]
+    python benchmarks/scripts/lossless_rounds.py [--prompts 3] [--max-new-tokens 128] [--k 4 8] [--nbits auto]
 
 Lossless generate with the fallback off (`draft_fallback=False`, so every round drafts), on GSM8K test prompts with
 the chat template, the packaged SmolLM2 by default. Per round: (draft seconds + verification seconds) / tokens the

@@ -2,7 +2,7 @@
 leaves after the start layer and runs the twins) with 4-bit or 8-bit twins per kind of linear, and each mix's
 byte limit.
 
-    python examples/module_precision.py [--prompts 16] [--tokens 64] [--output PATH]
+    python benchmarks/scripts/module_precision.py [--prompts 16] [--tokens 64] [--output PATH]
 
 Two rivers of the same model (the packaged SmolLM2 by default) are built, one with 8-bit twins (one scale per row,
 the int8 kernel's layout) and one with 4-bit group-64 twins, both with the 8-bit LM head. Then the 8-bit river's twin

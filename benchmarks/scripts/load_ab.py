@@ -1,8 +1,8 @@
 """Saved-river load time of two river_hf checkouts, compared in one run: fresh processes, alternating, medians.
 
     git worktree add /tmp/old <commit>          # the code to compare against
-    python examples/load_time.py --folder DIR    # DIR/plain and DIR/river-fastest (twins in this checkout's format)
-    python examples/load_ab.py DIR/plain DIR/river-fastest /tmp/old OLD_FOLDER [--loads 9]
+    python benchmarks/scripts/load_time.py --folder DIR    # DIR/plain and DIR/river-fastest (twins in this checkout's format)
+    python benchmarks/scripts/load_ab.py DIR/plain DIR/river-fastest /tmp/old OLD_FOLDER [--loads 9]
 
 OLD_FOLDER: the same river saved in the format the old checkout reads (a copy of DIR/river-fastest re-saved by the
 old code, or the same folder when the format did not change). Each round loads the plain model, the old checkout's
@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from load_time import run_child  # noqa: E402  (the same child load, HQQ refused for saved rivers)
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 
 def load_seconds(folder: str, code: str) -> float:

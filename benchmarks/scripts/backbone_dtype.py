@@ -1,8 +1,8 @@
 """Which backbone dtype is fastest on this machine? Times plain `generate` of the packaged SmolLM2-135M loaded in
 bfloat16 and in float32, interleaved after a warm-up, on GSM8K prompts: decode tokens/s and prefill time.
 
-    python examples/backbone_dtype.py                     # 3 prompts x 3 rounds x 64 new tokens
-    python examples/backbone_dtype.py --rounds 5 --max-new-tokens 128
+    python benchmarks/scripts/backbone_dtype.py                     # 3 prompts x 3 rounds x 64 new tokens
+    python benchmarks/scripts/backbone_dtype.py --rounds 5 --max-new-tokens 128
 
 A decode step is a batch-1 GEMV per weight, memory-bound, so bf16 (half the bytes) should win it everywhere; a
 prompt is a GEMM, compute-bound, where bf16 without AVX-512-BF16 is slow. The end-to-end column adds both for the

@@ -1,7 +1,7 @@
 """Why lossless mode verifies row by row: one backbone pass over k + 1 tokens against k + 1 one-token steps, bit for bit.
 
-    python examples/verify_rows.py [--model PATH] [--dtype bfloat16] [--rows 5] [--repeats 15]
-    python examples/verify_rows.py --gsm8k 3 --offsets 0,6,12,18,24,30,36,42,48,54,60,66
+    python benchmarks/scripts/verify_rows.py [--model PATH] [--dtype bfloat16] [--rows 5] [--repeats 15]
+    python benchmarks/scripts/verify_rows.py --gsm8k 3 --offsets 0,6,12,18,24,30,36,42,48,54,60,66
 
 After one prompt, the same k + 1 tokens are computed (a) as k + 1 one-token steps, as plain generate does, then as
 one pass: (b) batched, as transformers' assisted decoding verifies; (c) with only attention row by row; (d) with only
@@ -12,7 +12,7 @@ K/V elements differ from (a), and the pass's median time over `--repeats` (inter
 `--gsm8k N --offsets ...` checks real text instead: the N-th GSM8K prompt (chat template) followed by the model's own
 greedy continuation; at each offset t, the prompt plus t generated tokens is the context and the next `--rows` tokens
 are the rows, and only (b) and (e) are compared (no timing). A kernel that is batch-invariant on most inputs but not
-all shows up here (docs/zen4.md#lossless-mode).
+all shows up here (benchmarks/zen4.md#lossless-mode).
 """
 
 from __future__ import annotations

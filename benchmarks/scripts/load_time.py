@@ -1,6 +1,6 @@
 """How long loading takes: the plain model, today's re-quantizing river load, and a saved river (twins stored).
 
-    python examples/load_time.py [--repeats 5] [--folder DIR] [--model PATH] [--saved-only]
+    python benchmarks/scripts/load_time.py [--repeats 5] [--folder DIR] [--model PATH] [--saved-only]
 
 The packaged SmolLM2-135M-Instruct is saved once as a plain safetensors folder (like for like: every system reads
 the same bf16 checkpoint), and once as a river with its twins (`save_pretrained`, twins stored by default for a

@@ -1,8 +1,8 @@
 """Is a river's prompt as fast as the backbone's? Times the prompt pass (time to the first token) of plain `generate`
 and of river `generate` calls on the same model, interleaved after a warm-up, on GSM8K prompts.
 
-    python examples/prefill_time.py                        # 3 prompts x 4 rounds
-    python examples/prefill_time.py --rounds 10 --model PATH
+    python benchmarks/scripts/prefill_time.py                        # 3 prompts x 4 rounds
+    python benchmarks/scripts/prefill_time.py --rounds 10 --model PATH
 
 The bench's prefill column times one prompt per run, which a noisy machine spreads widely; this times only prompts,
 many of them, so the medians can settle issue 10's "never slower than the backbone's prompt, ±5%".

@@ -4,7 +4,7 @@ with the LoRA's A, B kept in full precision on top (two extra rank-r matmuls per
 for plain LoRA now: the twins `river_hf.layers.make_twin` builds)? And (c), for scale: a quantized W that drops the
 adapter.
 
-    python examples/lora_twins.py [--rho 0.05] [--seed 0] [--nbits 4] [--group-size 64] [--prompts 8] [--tokens 48]
+    python benchmarks/scripts/lora_twins.py [--rho 0.05] [--seed 0] [--nbits 4] [--group-size 64] [--prompts 8] [--tokens 48]
 
 On the packaged SmolLM2-135M (bf16), a LoRA (r=16, alpha=32) on every linear of every layer: B is drawn at random and
 scaled per layer so that ||s·B·A|| = rho·||W|| (a trained-looking delta); `--rho 0` keeps peft's own random
@@ -16,7 +16,7 @@ scaled per layer so that ||s·B·A|| = rho·||W|| (a trained-looking delta); `--
   layers >= 1 are the twins (full quantization: what a tau=-1 river computes), and of a tau=-1 river built by
   build_river, which also quantizes the LM head (8-bit), so it is (b) plus a quantized head.
 
-    python examples/lora_twins.py --time [--rounds 3] [--prompts 4] [--tokens 64]
+    python benchmarks/scripts/lora_twins.py --time [--rounds 3] [--prompts 4] [--tokens 64]
 
 times instead (fidelity is not measured): decode tokens/s, interleaved in one process after a warm-up, of the adapted
 backbone (plain generate), and of tau=-1 rivers (every decode step on the twins, 8-bit LM head) whose adapted

@@ -1,7 +1,7 @@
 """Time one twin linear layer against the bf16 `nn.Linear` it replaces: batch-1 GEMV (x [1, K]), as in decoding.
 
-    python examples/bench_kernels.py                       # SmolLM2-135M's MLP size and a 2048x8192 weight
-    python examples/bench_kernels.py --sizes 576x1536 --rounds 400
+    python benchmarks/scripts/bench_kernels.py                       # SmolLM2-135M's MLP size and a 2048x8192 weight
+    python benchmarks/scripts/bench_kernels.py --sizes 576x1536 --rounds 400
 
 Each configuration gets --weights distinct copies of its layer and a timed round calls every copy once, so no weight
 stays in cache between calls (as in a real forward pass through many layers). Rounds interleave the configurations,

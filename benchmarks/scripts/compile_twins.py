@@ -2,9 +2,9 @@
 compilation"); this measures it for the parts of a decoder layer that carry no `layer_idx` (the MLP and the two
 RMSNorms), so one compiled graph serves every layer, on the backbone and on the twins alike.
 
-    python examples/compile_twins.py                      # SmolLM2-135M, 4-bit twins, 3 rounds of 48 tokens
-    python examples/compile_twins.py --parts mlp --rounds 5
-    python examples/compile_twins.py --model PATH_OR_HUB_ID
+    python benchmarks/scripts/compile_twins.py                      # SmolLM2-135M, 4-bit twins, 3 rounds of 48 tokens
+    python benchmarks/scripts/compile_twins.py --parts mlp --rounds 5
+    python benchmarks/scripts/compile_twins.py --model PATH_OR_HUB_ID
 
 Four systems, interleaved after a warm-up that pays the compilation: the backbone eager and compiled, and full
 quantization (tau=-1: every decode step leaves after layer 0 and runs the twins) eager and compiled. Compiling is

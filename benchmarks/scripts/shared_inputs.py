@@ -1,9 +1,9 @@
 """Does one `matmulnbits_cpu` call per group of linears sharing an input (q/k/v, gate/up; river_hf.shared_inputs)
 make decoding faster than one call per linear? Measured in one process, interleaved, on a random-weight model.
 
-    python examples/shared_inputs.py                                  # Llama-3.2-1B's shape, 4 rounds of 32 tokens
-    python examples/shared_inputs.py --random-model smollm2-135m --backend matmulnbits_cpu
-    python examples/shared_inputs.py --group-everything   # also q/k/v grouped where "fastest" left them apart
+    python benchmarks/scripts/shared_inputs.py                                  # Llama-3.2-1B's shape, 4 rounds of 32 tokens
+    python benchmarks/scripts/shared_inputs.py --random-model smollm2-135m --backend matmulnbits_cpu
+    python benchmarks/scripts/shared_inputs.py --group-everything   # also q/k/v grouped where "fastest" left them apart
 
 The river: 4-bit twins (group 64), `activations="int8"`, backbone LM head. The systems take turns after a
 warm-up: the backbone, full quantization (tau=-1: every step leaves after layer 0) with the groups fused, and the

@@ -1,7 +1,7 @@
 """Where a saved river's load spends its time: each phase timed with perf_counter wrappers inside from_pretrained.
 
-    python examples/load_time.py --folder DIR        # keeps DIR/plain, DIR/river-auto, DIR/river-fastest
-    python examples/load_phases.py DIR/river-auto [--loads 3]
+    python benchmarks/scripts/load_time.py --folder DIR        # keeps DIR/plain, DIR/river-auto, DIR/river-fastest
+    python benchmarks/scripts/load_phases.py DIR/river-auto [--loads 3]
 
 Loads the saved river `--loads` times in this one process, with the model's modeling code imported before the
 first (as load_time.py does: the first load is the one a user's fresh process pays; the later ones show the steady

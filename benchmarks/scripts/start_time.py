@@ -2,8 +2,8 @@
 cached conversion (river_hf.gguf_cache)? Each load runs in a fresh Python process, the two kinds alternating, and the
 table gives medians: the import of river_hf (torch, transformers) and the load itself.
 
-    python examples/start_time.py              # 3 rounds
-    python examples/start_time.py --rounds 5
+    python benchmarks/scripts/start_time.py              # 3 rounds
+    python benchmarks/scripts/start_time.py --rounds 5
 """
 
 from __future__ import annotations

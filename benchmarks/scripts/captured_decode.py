@@ -1,8 +1,8 @@
 """The river's decode steps captured (static cache + torch.compile, river_hf.capture) against the compiled backbone.
 
-    python examples/captured_decode.py                          # packaged SmolLM2-135M, GSM8K + chat prompts
-    python examples/captured_decode.py --rounds 3 --tau 0.3 --max-new-tokens 64
-    python examples/captured_decode.py --model PATH_OR_HUB_ID --device cuda --mode reduce-overhead
+    python benchmarks/scripts/captured_decode.py                          # packaged SmolLM2-135M, GSM8K + chat prompts
+    python benchmarks/scripts/captured_decode.py --rounds 3 --tau 0.3 --max-new-tokens 64
+    python benchmarks/scripts/captured_decode.py --model PATH_OR_HUB_ID --device cuda --mode reduce-overhead
 
 Systems, each one `generate` call per prompt, interleaved after a warm-up that pays the compilation (its seconds are
 printed): the backbone eager (dynamic cache) and compiled (transformers' `cache_implementation="static"` with its

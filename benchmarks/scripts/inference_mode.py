@@ -1,6 +1,6 @@
 """Is decoding faster under `torch.inference_mode` than under transformers' `no_grad`, and does the river gain more?
 
-    python examples/inference_mode.py [--prompts 3] [--rounds 2] [--max-new-tokens 128] [--no-lossless] [--output PATH]
+    python benchmarks/scripts/inference_mode.py [--prompts 3] [--rounds 2] [--max-new-tokens 128] [--no-lossless] [--output PATH]
 
 A river's `generate` runs under `torch.inference_mode` (`river_hf.generation.GENERATE_IN_INFERENCE_MODE`). This
 switches that flag off and on between calls, on one river model (the packaged SmolLM2 with the default

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Issue 31's GPU checks and figures in ONE device call (written without a GPU: not run yet). First, here:
+#     bash benchmarks/scripts/gpu_wheels.sh
+# then with the device tool: run(command="bash benchmarks/scripts/gpu_run.sh", carry=[".gpu-wheels"], timeout_s=590)
+# Writes to $OUT: gpu.txt, cuda-tests.txt, and per shape bench-<shape>-cuda.json (+ its table in bench-<shape>.txt):
+# the eager and compiled (static cache, CUDA graphs) backbone, full quantization with 4-bit twins and the 8-bit head
+# eager and captured. Random routing is left out: it would compile one CUDA graph per exit depth (15 to 31 here).
+set -uo pipefail
+OUT=${OUT:-/tmp/river-gpu}
+mkdir -p "$OUT"
+SITE=$(mktemp -d)
+pip install -q --no-index --no-deps --target "$SITE" .gpu-wheels/*.whl
+export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 RIVER_HF_CACHE=off
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_static_cache.py tests/test_offload.py -k "cuda or CUDA" \
+    2>&1 | tail -15 | tee "$OUT/cuda-tests.txt"
+for shape in llama-3.2-1b llama-3.1-8b; do
+    timeout 200 python3 -c "import sys; from river_hf.cli import main; sys.exit(main(sys.argv[1:]))" bench \
+        --random-model "$shape" --device cuda --twin-bits 4 --compiled --exit-rates --prompts 2 --rounds 1 \
+        --max-new-tokens 128 --prompt-length 64 --backend auto --no-plots --output "$OUT/bench-$shape-cuda.json" \
+        2>&1 | tail -40 | tee "$OUT/bench-$shape.txt"
+done

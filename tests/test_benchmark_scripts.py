@@ -1,0 +1,147 @@
+"""The measurement scripts in benchmarks/scripts run as written (on a tiny local model or shape, in seconds)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "scripts"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_backbone_dtype_example_times_both_dtypes(saved_tiny_model, capsys):
+    results = load_script("backbone_dtype").main(["--model", str(saved_tiny_model), "--prompts", "1", "--rounds",
+                                                   "1", "--max-new-tokens", "3"])
+    assert set(results) == {"bfloat16", "float32", "fastest_dtype"}
+    assert all(results[name]["decode_tokens_per_s"] > 0 and results[name]["prefill_s"] > 0
+               for name in ("bfloat16", "float32"))
+    out = capsys.readouterr().out
+    assert "| bfloat16 |" in out and f"fastest_dtype chooses {results['fastest_dtype']} (µs per GEMV at" in out
+
+
+def test_prefill_time_example_times_the_prompts_of_backbone_and_rivers(saved_tiny_model, capsys):
+    results = load_script("prefill_time").main(["--model", str(saved_tiny_model), "--prompts", "1", "--rounds", "1"])
+    assert set(results) == {"backbone", "river, tau=-1 (full quantization)", "river, the defaults"}
+    assert all(seconds > 0 for seconds in results.values())
+    assert "| backbone |" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # torch.compile takes ~10-20 s on 2 cores
+def test_compile_example_times_eager_and_compiled_layer_parts(saved_tiny_model):
+    import torch
+
+    example = load_script("compile_twins")
+    results = example.main(["--model", str(saved_tiny_model), "--parts", "norms", "--rounds", "1",
+                            "--max-new-tokens", "2"])
+    assert set(results) == {"backbone eager", "backbone compiled", "full-quant eager", "full-quant compiled"}
+    assert all(r["ms_per_token"] > 0 for r in results.values())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # something was really compiled
+
+
+@pytest.mark.slow
+def test_start_time_example_loads_both_ways(capsys):
+    table = load_script("start_time").main(["--rounds", "1"])
+    assert set(table) == {"from the GGUF", "from the cache"}
+    assert all(row["load_s"] > 0 for row in table.values())
+    assert "| from the cache |" in capsys.readouterr().out
+
+
+def test_load_phases_example_times_the_phases_and_puts_everything_back(saved_tiny_model, tmp_path, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from river_hf import RiverQuantConfig, kernels, twin_store
+
+    river = AutoModelForCausalLM.from_pretrained(saved_tiny_model, dtype=torch.bfloat16,
+                                                 quantization_config=RiverQuantConfig(backend="auto"))
+    river.save_pretrained(tmp_path / "river")  # twins stored (loaded with a RiverQuantConfig)
+    before = (twin_store.digest, twin_store.StoredTwins.__dict__["read"], dict(kernels.KERNELS))
+    [load] = load_script("load_phases").main([str(tmp_path / "river"), "--loads", "1"])
+    assert {"read", "checksum", "digest", "fingerprint", "from_codes", "make_twin"} <= load["phases"].keys()
+    assert any(label.startswith("pack ") for label in load["phases"])
+    assert 0 < load["phases"]["read"][0] < load["total_s"]
+    assert (twin_store.digest, twin_store.StoredTwins.__dict__["read"], dict(kernels.KERNELS)) == before
+    assert "load 1: " in capsys.readouterr().out
+
+
+def test_verify_rows_example_shows_the_exact_pass_equals_one_token_steps(saved_tiny_model, capsys):
+    results = load_script("verify_rows").main(["--model", str(saved_tiny_model), "--dtype", "float32",
+                                               "--rows", "4", "--repeats", "1"])
+    assert results["one-token steps"]["logits_differing"] == 0
+    exact = results["one pass, river_hf.exact_rows"]
+    assert exact["logits_differing"] == 0 and exact["kv_differing"] == 0
+    assert "| one pass, batched |" in capsys.readouterr().out
+
+
+def test_verify_rows_example_checks_real_text_at_several_offsets(saved_tiny_model, capsys):
+    results = load_script("verify_rows").main(["--model", str(saved_tiny_model), "--dtype", "float32", "--rows",
+                                               "3", "--gsm8k", "2", "--offsets", "0,2"])
+    assert len(results) == 2 and list(results)[1] - list(results)[0] == 2  # context lengths, 2 tokens apart
+    assert all(r["exact_rows"]["logits_differing"] == 0 and r["exact_rows"]["kv_differing"] == 0
+               for r in results.values())
+    assert "| context tokens |" in capsys.readouterr().out
+
+
+def test_load_ab_compares_two_checkouts_in_fresh_processes(tmp_path):
+    """The same checkout as both sides: three systems, one load time each, each load in a child that imported
+    river_hf from the checkout it was given (a saved load that ran HQQ would fail)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_model
+    from river_hf import RiverQuantConfig
+    load_ab = load_script("load_ab")
+    plain, river = str(tmp_path / "plain"), str(tmp_path / "river")
+    tiny_model("llama").to(torch.bfloat16).save_pretrained(plain)  # the child loads in bf16: twins must fit it
+    AutoModelForCausalLM.from_pretrained(plain, dtype=torch.bfloat16, quantization_config=RiverQuantConfig(
+        backend="auto", nbits=4, group_size=64, start_layer=2, quantize_lm_head=False)).save_pretrained(river)
+    seconds = load_ab.main([plain, river, load_ab.HERE, river, "--loads", "1"])
+    assert list(seconds) == ["plain", "old code", "this code"] and all(len(v) == 1 and v[0] > 0 for v in seconds.values())
+
+
+def test_inference_mode_example_times_every_system_in_both_modes(saved_tiny_model, capsys):
+    record = load_script("inference_mode").main(["--model", str(saved_tiny_model), "--prompts", "1", "--rounds", "1",
+                                                  "--max-new-tokens", "3"])
+    rates = record["decode_tokens_per_s"]
+    assert set(rates) == {"backbone", "defaults", "lossless k=8"}
+    assert all(len(values) == 1 and values[0] > 0 for by_mode in rates.values() for values in by_mode.values())
+    assert "| lossless k=8 |" in capsys.readouterr().out
+    import river_hf.generation
+    assert river_hf.generation.GENERATE_IN_INFERENCE_MODE  # switched back on after every call
+
+
+def test_module_precision_example_measures_every_mix(saved_tiny_model, capsys):
+    record = load_script("module_precision").main(["--model", str(saved_tiny_model), "--prompts", "1", "--tokens",
+                                                    "3"])
+    mixes = record["mixes"]
+    assert len(mixes) == 3 + 2 * 7
+    assert all(0 <= mix["match"] <= 1 and mix["positions"] == 3 for mix in mixes.values())
+    limits = {name: mix["byte_limit"] for name, mix in mixes.items()}
+    assert limits["all 4-bit"] > limits["8-bit, up 4-bit"] > limits["all 8-bit"] > 1  # fewer bits, fewer bytes
+    assert "| all 8-bit |" in capsys.readouterr().out
+
+
+def test_shared_inputs_example_times_grouped_and_ungrouped_twins(capsys):
+    pytest.importorskip("onnxruntime")
+    result = load_script("shared_inputs").main(["--random-model", "tiny-test", "--backend", "matmulnbits_cpu",
+                                                 "--rounds", "1", "--max-new-tokens", "3"])
+    assert result["members"] == 5  # the one twin layer: q, k, v and gate, up
+    assert set(result["ms_per_token"]) == {"backbone", "full-quant, groups fused", "full-quant, one call per linear"}
+    assert all(ms > 0 for ms in result["ms_per_token"].values())
+    assert "groups fused" in capsys.readouterr().out
+
+
+def test_shared_inputs_example_can_group_what_the_build_left_apart():
+    pytest.importorskip("onnxruntime")
+    # 'auto' builds int4pack twins and groups nothing: --group-everything times them grouped
+    result = load_script("shared_inputs").main(["--random-model", "tiny-test", "--backend", "auto", "--rounds", "1",
+                                                 "--max-new-tokens", "3", "--group-everything"])
+    assert result["forced_sets"] == 2 and "full-quant, every set grouped" in result["ms_per_token"]
