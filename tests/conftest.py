@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import os
 import tempfile
 
@@ -32,6 +33,14 @@ os.environ.setdefault("RIVER_HF_CACHE", tempfile.mkdtemp(prefix="river_hf_test_c
 # The command line loads bf16, as the library calls the tests compare it with do, instead of the dtype `--dtype auto`
 # would time for a tiny model on this machine (tests/test_backbone_dtype.py tests 'auto' itself); subprocesses too.
 os.environ.setdefault("RIVER_HF_DTYPE", "bfloat16")
+
+def load_module(path):
+    """A script (an example, a measurement script) imported from its file, so that a test can call its main()."""
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 @pytest.fixture
 def one_thread():

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from conftest import load_module
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "scripts"
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(SCRIPTS / f"{name}.py")
 
 
 def test_backbone_dtype_example_times_both_dtypes(saved_tiny_model, capsys):

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import load_module
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(EXAMPLES / f"{name}.py")
 
 
 def test_quickstart(saved_tiny_model, capsys):
