@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 import river_hf
 from river_hf import RiverConfig, RiverQuantConfig
-from river_hf.models import build_chat_inputs, load_model_and_tokenizer
+from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 
 
 def main(argv=None):

@@ -11,7 +11,7 @@ from transformers import pipeline
 
 import river_hf
 from river_hf import RiverConfig, RiverQuantConfig
-from river_hf.models import load_model_and_tokenizer
+from river_hf.loading.models import load_model_and_tokenizer
 
 
 def main(argv=None):

@@ -24,10 +24,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 import river_hf
-from river_hf import ExitSignal, RiverConfig, RiverQuantConfig, RiverSettings, quantize, register_signal
-from river_hf.router import ExitRouter
+from river_hf import ExitSignal, RiverConfig, RiverQuantConfig, RiverSettings, register_signal
+from river_hf.kernels import quantize
+from river_hf.core.exit_decision import ExitRouter
 
-# Converted GGUFs (river_hf.gguf_cache) go to a folder of this test session, not the user's cache; subprocesses (the
+# Converted GGUFs (river_hf.loading.gguf) go to a folder of this test session, not the user's cache; subprocesses (the
 # CLI tests) inherit it, so the packaged model is converted once per session.
 os.environ.setdefault("RIVER_HF_CACHE", tempfile.mkdtemp(prefix="river_hf_test_cache_"))
 # The command line loads bf16, as the library calls the tests compare it with do, instead of the dtype `--dtype auto`
@@ -113,7 +114,7 @@ def river_of(model, start_layer: int = 2, **quant):
 def plain_copy_with_twins(river_model):
     """A plain (river-less) copy of a river model whose layers >= start_layer ARE the twins: full quantization."""
     reference = copy.deepcopy(river_model)
-    layers = river_hf.architectures.find_decoder_layers(reference)
+    layers = river_hf.core.architectures.find_decoder_layers(reference)
     for idx, layer in enumerate(layers):
         layers[idx] = layer.twin if layer.twin is not None else layer.base_layer
     reference.__class__ = type(river_model)._river_base_class
@@ -269,7 +270,7 @@ def scripted_exits():
 
     yield script
     for name in names:
-        river_hf.signals.unregister_signal(name)
+        river_hf.core.signals.unregister_signal(name)
 
 
 # ---------------------------------------------------------------- inputs

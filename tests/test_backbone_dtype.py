@@ -1,11 +1,12 @@
-"""The backbone's dtype, chosen by measurement (river_hf.backbone_dtype) and by the command line's --dtype auto."""
+"""The backbone's dtype, chosen by measurement (river_hf.kernels.backbone_dtype) and by the command line's --dtype auto."""
 
 import pytest
 import torch
 from transformers import LlamaConfig, PretrainedConfig
 
 from conftest import save_tiny_model, tiny_model
-from river_hf import backbone_dtype, fastest_dtype, kernel_choice
+from river_hf.kernels import backbone_dtype, choice as kernel_choice
+from river_hf import fastest_dtype
 from river_hf.cli import main
 
 
@@ -109,7 +110,7 @@ def test_the_dtype_variable_sets_the_command_lines_default(monkeypatch, tmp_path
 ])
 def test_the_command_line_loads_the_dtype_asked_or_measured(monkeypatch, tmp_path, capsys, flag, measured,
                                                             expected):
-    from river_hf.commands import common
+    from river_hf.cli.commands import common
 
     medians, calls = timings(*(measured or (1.0, 1.0)))
     monkeypatch.setattr(kernel_choice, "interleaved_medians", medians)
@@ -143,7 +144,7 @@ def test_the_benchs_memory_subprocess_loads_the_parents_dtype(tmp_path):
 
 
 def test_the_command_line_keeps_bf16_where_the_config_gives_no_shape(capsys):
-    from river_hf.commands.common import measured_dtype
+    from river_hf.cli.commands.common import measured_dtype
 
     assert measured_dtype(PretrainedConfig(), "cpu") == torch.bfloat16  # no hidden_size: nothing to time
     assert "backbone dtype: bfloat16, not measured (the model's config" in capsys.readouterr().err
@@ -151,7 +152,7 @@ def test_the_command_line_keeps_bf16_where_the_config_gives_no_shape(capsys):
 
 def test_a_random_shape_gets_the_dtype_measured_for_its_config(monkeypatch, capsys):
     from river_hf.cli import build_parser
-    from river_hf.commands.common import random_model_dtype
+    from river_hf.cli.commands.common import random_model_dtype
 
     medians, calls = timings(100.0, 50.0)
     monkeypatch.setattr(kernel_choice, "interleaved_medians", medians)

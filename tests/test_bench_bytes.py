@@ -13,7 +13,7 @@ from river_hf.bench.bytes import (
     system_bytes,
 )
 from river_hf.bench.systems import static_full_quant
-from river_hf.quantize import RiverQuantLinear
+from river_hf.kernels.quantize import RiverQuantLinear
 
 FP32 = 4
 

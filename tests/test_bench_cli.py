@@ -20,7 +20,7 @@ from river_hf.bench.report import versus_random
 from river_hf.bench.run import FULL, QUICK, SCHEMA, BenchSettings
 from river_hf.bench.systems import SMOLLM2_TAUS, default_taus, river_taus, static_full_quant, weight_bytes
 from river_hf.cli import build_parser, main
-from river_hf.models import build_chat_inputs, load_model_and_tokenizer
+from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 
 from conftest import tiny_model
 from conftest import save_tiny_model
@@ -268,7 +268,7 @@ def test_static_full_quant_shares_every_tensor_and_leaves_the_river_alone():
     river_tensors = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
     assert all(t.data_ptr() in river_tensors for t in (*static.parameters(), *static.buffers()))
     assert not river_hf.is_river(static)
-    assert all(isinstance(layer, river_hf.RiverLayer) for layer in river_hf.architectures.find_decoder_layers(model))
+    assert all(isinstance(layer, river_hf.RiverLayer) for layer in river_hf.core.architectures.find_decoder_layers(model))
     expected = model.generate(ids, max_new_tokens=5, do_sample=False, tau=-1, exit_signal="cosine")
     assert torch.equal(static.generate(ids, max_new_tokens=5, do_sample=False), expected)
 
@@ -294,7 +294,7 @@ def test_river_taus_drop_full_quant_and_duplicates():
 
 
 def test_twin_schedule_and_quantized_head_options():
-    from river_hf.commands.common import twin_config
+    from river_hf.cli.commands.common import twin_config
 
     args = build_parser().parse_args(["bench", "--nbits", "8*2,4*3", "--quantize-lm-head", "--lm-head-nbits", "4"])
     config = twin_config(args)

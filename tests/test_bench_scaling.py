@@ -124,7 +124,7 @@ def test_one_build_only_runs_its_own_systems(tmp_path):
 
 def test_unknown_twin_bits_name_the_field():
     from river_hf.bench.scaling import twin_configs
-    from river_hf.config import RiverQuantConfig
+    from river_hf.core.config import RiverQuantConfig
 
     with pytest.raises(ValueError, match="`twin_bits`=\\(3,\\)"):
         twin_configs(RiverQuantConfig(), (3,))

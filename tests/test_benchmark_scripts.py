@@ -56,7 +56,9 @@ def test_load_phases_example_times_the_phases_and_puts_everything_back(saved_tin
     import torch
     from transformers import AutoModelForCausalLM
 
-    from river_hf import RiverQuantConfig, kernels, twin_store
+    from river_hf import RiverQuantConfig
+    from river_hf.kernels import registry as kernels
+    from river_hf.saving import twin_files as twin_store
 
     river = AutoModelForCausalLM.from_pretrained(saved_tiny_model, dtype=torch.bfloat16,
                                                  quantization_config=RiverQuantConfig(backend="auto"))
@@ -74,7 +76,7 @@ def test_verify_rows_example_shows_the_exact_pass_equals_one_token_steps(saved_t
     results = load_script("verify_rows").main(["--model", str(saved_tiny_model), "--dtype", "float32",
                                                "--rows", "4", "--repeats", "1"])
     assert results["one-token steps"]["logits_differing"] == 0
-    exact = results["one pass, river_hf.exact_rows"]
+    exact = results["one pass, river_hf.lossless.exact_rows"]
     assert exact["logits_differing"] == 0 and exact["kv_differing"] == 0
     assert "| one pass, batched |" in capsys.readouterr().out
 
@@ -112,8 +114,8 @@ def test_inference_mode_example_times_every_system_in_both_modes(saved_tiny_mode
     assert set(rates) == {"backbone", "defaults", "lossless k=8"}
     assert all(len(values) == 1 and values[0] > 0 for by_mode in rates.values() for values in by_mode.values())
     assert "| lossless k=8 |" in capsys.readouterr().out
-    import river_hf.generation
-    assert river_hf.generation.GENERATE_IN_INFERENCE_MODE  # switched back on after every call
+    import river_hf.core.generation
+    assert river_hf.core.generation.GENERATE_IN_INFERENCE_MODE  # switched back on after every call
 
 
 def test_module_precision_example_measures_every_mix(saved_tiny_model, capsys):

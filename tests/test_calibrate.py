@@ -8,12 +8,12 @@ import pytest
 
 import river_hf
 from river_hf import RiverQuantConfig
-from river_hf import user_cache
+from river_hf import cache_folder as user_cache
 from river_hf.bench import calibrate
 from river_hf.bench.calibrate import CalibrationError, Probe, search_tau
 from river_hf.bench.fidelity import backbone_references, measure_fidelity
 from river_hf.cli import main
-from river_hf.models import build_chat_inputs, load_model_and_tokenizer
+from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 from river_hf import RiverSettings
 
 from conftest import save_tiny_model

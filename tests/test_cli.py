@@ -7,15 +7,8 @@ import pytest
 import torch
 
 from river_hf.cli import build_parser, main
-from river_hf.display import (
-    EXIT_COLORS,
-    FULL_DEPTH_COLOR,
-    GenerationStats,
-    depth_bucket,
-    exit_legend,
-    token_exit_depths,
-    token_pieces,
-)
+from river_hf.cli.display import (EXIT_COLORS, FULL_DEPTH_COLOR, GenerationStats, depth_bucket, exit_legend,
+    token_exit_depths, token_pieces)
 from conftest import make_tiny_tokenizer, save_tiny_model
 
 NUM_LAYERS = 4

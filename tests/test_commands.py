@@ -1,4 +1,4 @@
-"""river_hf.commands and the library under them: river flags derived from RiverSettings, --output given a folder or
+"""river_hf.cli.commands and the library under them: river flags derived from RiverSettings, --output given a folder or
 an unwritable place (checked before any model loads), the one record writer, the one token clock, and the library
 entry points a notebook calls (evaluate, calibrate) on a tiny saved model."""
 
@@ -18,11 +18,11 @@ from river_hf.bench.records import json_safe, resolve_output, write_record
 from river_hf.bench.speed import TokenClock
 from river_hf.bench.systems import eval_systems
 from river_hf.cli import build_parser, main
-from river_hf.commands.common import river_settings
-from river_hf.models import build_chat_inputs, load_model_and_tokenizer
-from river_hf.settings import RiverSettings, river_field_help
-from river_hf.signals import signal_names
-from river_hf.strategies import strategy_names
+from river_hf.cli.commands.common import river_settings
+from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
+from river_hf.core.settings import RiverSettings, river_field_help
+from river_hf.core.signals import signal_names
+from river_hf.core.kv_strategies import strategy_names
 
 from conftest import make_tiny_tokenizer, save_tiny_model
 

@@ -7,13 +7,14 @@ import pytest
 import torch
 
 import river_hf
-from river_hf import RiverConfig, RiverQuantConfig, RiverSettings, generation
-from river_hf.cache import RiverCache
+from river_hf import RiverConfig, RiverQuantConfig, RiverSettings
+from river_hf.core import generation
+from river_hf.core.kv_cache import RiverCache
 from river_hf.cli import main
-from river_hf.defaults import FULL_EXIT, MIN_GAIN, NEVER_EXITS, ExitGain, measure_exit_gain
-from river_hf.layers import river_layers, twin_linears
-from river_hf.lm_head import RiverLMHead
-from river_hf.settings import DEFAULT_TAUS
+from river_hf.core.auto_tau import FULL_EXIT, MIN_GAIN, NEVER_EXITS, ExitGain, measure_exit_gain
+from river_hf.core.twins import river_layers, twin_linears
+from river_hf.core.lm_head import RiverLMHead
+from river_hf.core.settings import DEFAULT_TAUS
 
 from conftest import NUM_LAYERS, river_of, save_tiny_model, tiny_model
 

@@ -1,12 +1,12 @@
-"""The lossless fallback rule (river_hf.draft_control.DraftControl.drafting_pays) on rounds with known costs: it stops
+"""The lossless fallback rule (river_hf.lossless.draft_control.DraftControl.drafting_pays) on rounds with known costs: it stops
 drafting where the machine cannot make it pay, and does not stop on a few unlucky rounds where it pays overall."""
 
 from __future__ import annotations
 
 import pytest
 
-from river_hf.draft_control import (MIN_ROUNDS, PROBE_STEPS, ROUND_SPREAD, TOLERANCE, DraftControl, DraftRecord,
-                                    DraftRound, acceptance_margin)
+from river_hf.lossless.draft_control import (MIN_ROUNDS, PROBE_STEPS, ROUND_SPREAD, TOLERANCE, DraftControl,
+    DraftRecord, DraftRound, acceptance_margin)
 
 T_PLAIN = 1.0  # seconds of a plain backbone step
 

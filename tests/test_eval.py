@@ -14,7 +14,7 @@ from river_hf.bench.eval import StopOnText, extract_answer, gsm8k_examples, gsm8
 from river_hf.bench.systems import BACKBONE, EVAL_FULL_QUANT as FULL_QUANT
 from river_hf.bench.humaneval import check_completion, run_program
 from river_hf.cli import main
-from river_hf.models import build_chat_inputs
+from river_hf.loading.models import build_chat_inputs
 from conftest import make_tiny_tokenizer
 
 GSM8K = next((root / "gsm8k" for root in data_roots() if (root / "gsm8k" / "test.jsonl").is_file()), None)

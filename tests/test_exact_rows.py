@@ -1,4 +1,4 @@
-"""Row-exact verification (river_hf.exact_rows): a lossless call's greedy output and cache are the plain model's bit
+"""Row-exact verification (river_hf.lossless.exact_rows): a lossless call's greedy output and cache are the plain model's bit
 for bit, in fp32 and bf16, with sdpa and eager attention; the pass's switches (attention implementation, row-wise
 linears) are undone after it, also when it fails."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from river_hf import exact_rows
-from river_hf.exact_rows import PREFIX, ExactRows
+from river_hf.lossless import exact_rows
+from river_hf.lossless.exact_rows import PREFIX, ExactRows
 
 from conftest import ARCHITECTURES, generate, river_of, tiny_model
 

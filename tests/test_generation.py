@@ -211,6 +211,6 @@ def test_generate_runs_in_inference_mode_and_returns_tensors_autograd_can_use(ri
 def test_inference_mode_leaves_the_tokens_as_they_were(prompt_ids, monkeypatch):
     model = river_of(tiny_model())
     expected = {tau: generate(model, prompt_ids, tau=tau).sequences for tau in (1.5, 0.8, -1)}
-    monkeypatch.setattr(river_hf.generation, "GENERATE_IN_INFERENCE_MODE", False)
+    monkeypatch.setattr(river_hf.core.generation, "GENERATE_IN_INFERENCE_MODE", False)
     for tau, sequences in expected.items():
         assert torch.equal(generate(model, prompt_ids, tau=tau).sequences, sequences)

@@ -1,12 +1,12 @@
-"""river_hf.gguf_cache: a local GGUF is converted once; later loads read the cached folder, with the same tensors."""
+"""river_hf.loading.gguf: a local GGUF is converted once; later loads read the cached folder, with the same tensors."""
 
 import os
 
 import pytest
 import torch
 
-from river_hf import gguf_cache, models
-from river_hf.models import load_model_and_tokenizer
+from river_hf.loading import gguf as gguf_cache, models
+from river_hf.loading.models import load_model_and_tokenizer
 
 from conftest import make_tiny_tokenizer, tiny_model
 

@@ -72,7 +72,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_circle_between_modules():
     graph = import_graph()
-    assert "river_hf.settings" in graph["river_hf.generation"]  # the graph sees relative imports
+    assert "river_hf.core.settings" in graph["river_hf.core.generation"]  # the graph sees relative imports
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -89,7 +89,7 @@ def test_no_file_over_the_line_limit():
 
 def test_argparse_stays_in_the_command_line_modules():
     users = {module_name(path) for path in PACKAGE.rglob("*.py") if "argparse" in path.read_text()}
-    assert users <= {"river_hf.cli"} | {name for name in users if name.startswith("river_hf.commands")}, users
+    assert all(name.startswith("river_hf.cli") for name in users), users
 
 
 def is_binary(path: Path) -> bool:

@@ -13,8 +13,9 @@ from huggingface_hub.errors import RemoteEntryNotFoundError
 from transformers import AutoModelForCausalLM
 
 import river_hf
-from river_hf import RiverQuantConfig, hf_integration
-from river_hf.twin_store import TWINS_FILE, StoredTwinsError
+from river_hf import RiverQuantConfig
+from river_hf.saving import hf_quantizer as hf_integration
+from river_hf.saving.twin_files import TWINS_FILE, StoredTwinsError
 
 from conftest import tiny_model
 

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 import river_hf
-from river_hf import RiverConfig, RiverQuantConfig, kernel_choice
-from river_hf.generation import new_river_cache
-from river_hf.layers import twin_linears, twins_prefill_faster
-from river_hf.quantize import RiverQuantLinear
+from river_hf import RiverConfig, RiverQuantConfig
+from river_hf.kernels import choice as kernel_choice
+from river_hf.core.generation import new_river_cache
+from river_hf.core.twins import twin_linears, twins_prefill_faster
+from river_hf.kernels.quantize import RiverQuantLinear
 
 from conftest import tiny_model
 
@@ -85,7 +86,7 @@ def test_the_avx2_dispatch_builds_and_runs_a_correct_river():
         import torch, warnings
         from torch import nn
         from river_hf import kernel_choice
-        from river_hf.quantize import RiverQuantLinear
+        from river_hf.kernels.quantize import RiverQuantLinear
         assert torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT"), torch.backends.cpu.get_cpu_capability()
         torch.manual_seed(0)
         linear, x = nn.Linear(256, 128), torch.randn(2, 256, dtype=torch.bfloat16)

@@ -12,7 +12,8 @@ import textwrap
 import pytest
 import torch
 
-from river_hf import kernel_choice, user_cache
+from river_hf.kernels import choice as kernel_choice
+from river_hf import cache_folder as user_cache
 
 SHAPE = (4, 64, 128, 256)  # nbits, group_size, out_features, in_features
 

@@ -1,4 +1,4 @@
-"""Lossless mode (river_hf.lossless): the river drafts, the backbone verifies, in one cache.
+"""Lossless mode (river_hf.lossless.decode): the river drafts, the backbone verifies, in one cache.
 
 Its invariants: greedy output equals the backbone's token for token for any exit pattern; after generation the
 cache equals the backbone's own cache of the same tokens (every position verified, KV complete); sampling follows
@@ -12,9 +12,10 @@ import torch
 import river_hf
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
-from river_hf import RiverConfig, RiverSettings, exact_rows
-from river_hf.acceptance import greedy_accept, speculative_accept
-from river_hf.draft_control import BACKBONE_CHOSE, MIN_ROUNDS, PROBE_STEPS
+from river_hf import RiverConfig, RiverSettings
+from river_hf.lossless import exact_rows
+from river_hf.lossless.acceptance import greedy_accept, speculative_accept
+from river_hf.lossless.draft_control import BACKBONE_CHOSE, MIN_ROUNDS, PROBE_STEPS
 
 from conftest import (ARCHITECTURES, NUM_LAYERS, cheap_drafts_clock, count_calls, generate, river_of, slow_drafts_clock,
                       tiny_model)
@@ -48,7 +49,7 @@ def assert_backbone_cache(cache, reference_cache, length):
     for idx, (ours, theirs) in enumerate(zip(cache.layers, reference_cache.layers, strict=True)):
         assert ours.get_seq_length() == theirs.get_seq_length() == length, idx
         kept = theirs.keys.shape[-2]  # sliding-window layers keep only their window
-        for name in ("keys", "values"):  # bit for bit (river_hf.exact_rows)
+        for name in ("keys", "values"):  # bit for bit (river_hf.lossless.exact_rows)
             assert torch.equal(getattr(ours, name)[..., -kept:, :], getattr(theirs, name)), f"layer {idx} {name}"
 
 
@@ -293,7 +294,7 @@ def test_sampling_end_to_end_follows_the_backbone(prompt):
 
 
 def _river_cache(model):
-    from river_hf.generation import new_river_cache
+    from river_hf.core.generation import new_river_cache
 
     return new_river_cache(model, RiverSettings(tau=-1.0, exit_signal="cosine"))
 
@@ -370,7 +371,7 @@ def test_generate_refuses_lossless_without_the_river(capsys):
 ])
 def test_bench_lossless_benches_the_default_drafts_unless_told(arguments, expected):
     from river_hf.cli import build_parser
-    from river_hf.commands.bench import _lossless_signal_taus
+    from river_hf.cli.commands.bench import _lossless_signal_taus
 
     args = build_parser().parse_args(["bench", "--lossless", "8", *arguments])
     assert _lossless_signal_taus(args) == expected

@@ -1,4 +1,4 @@
-"""The lossless fallback remembers its verdicts across calls (river_hf.draft_control.FallbackMemory): after a call
+"""The lossless fallback remembers its verdicts across calls (river_hf.lossless.draft_control.FallbackMemory): after a call
 that fell back, the next 1, 2, 4, ... calls with the same settings decode on the plain backbone from their first step
 (no probing), then one probes again; output stays the backbone's throughout."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from river_hf import RiverConfig
-from river_hf.draft_control import (BACKBONE_CHOSE, MAX_SKIPPED_CALLS, PROBE_STEPS, REUSES_OF_T_PLAIN, DraftRecord,
-                                    FallbackMemory)
+from river_hf.lossless.draft_control import (BACKBONE_CHOSE, MAX_SKIPPED_CALLS, PROBE_STEPS, REUSES_OF_T_PLAIN,
+    DraftRecord, FallbackMemory)
 
 from conftest import cheap_drafts_clock, generate, river_of, slow_drafts_clock, tiny_model
 
@@ -119,7 +119,7 @@ def test_t_plain_is_timed_again_after_a_bounded_number_of_reuses():
 
 
 def test_forget_fallbacks_makes_the_next_call_probe_afresh(prompt):
-    from river_hf.lossless import forget_fallbacks
+    from river_hf.lossless.decode import forget_fallbacks
 
     model = river_of(tiny_model("llama"))
     clock = slow_drafts_clock(model)

@@ -1,4 +1,4 @@
-"""The `matmulnbits_cpu` twin kernel (ONNX Runtime's MatMulNBits, river_hf.ort_kernel): what it computes (HQQ's
+"""The `matmulnbits_cpu` twin kernel (ONNX Runtime's MatMulNBits, river_hf.kernels.matmulnbits): what it computes (HQQ's
 weight, float zero points included, times activations rounded to int8 per block), that it is used only when asked
 (`activations="int8"`) and only where measured, and the river invariants with it."""
 
@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import river_hf
-from river_hf import RiverQuantConfig, ort_kernel
-from river_hf.kernel_choice import candidates, machine_identity
-from river_hf.kernels import KERNELS, dequantize, runs
-from river_hf.quantize import RiverQuantLinear, resolve_backend
+from river_hf import RiverQuantConfig
+from river_hf.kernels import matmulnbits as ort_kernel
+from river_hf.kernels.choice import candidates, machine_identity
+from river_hf.kernels.registry import KERNELS, dequantize, runs
+from river_hf.kernels.quantize import RiverQuantLinear, resolve_backend
 
 from conftest import assert_full_quantization_is_exact, generate, river_of, tiny_model
 

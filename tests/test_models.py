@@ -1,4 +1,4 @@
-"""river_hf.models: finding the packaged model, resolving --model / --gguf-file, loading, chat inputs."""
+"""river_hf.loading.models: finding the packaged model, resolving --model / --gguf-file, loading, chat inputs."""
 
 import importlib.util
 import os
@@ -6,13 +6,8 @@ import os
 import pytest
 import torch
 
-from river_hf.models import (
-    DEFAULT_GGUF_FILE,
-    build_chat_inputs,
-    default_model_path,
-    load_model_and_tokenizer,
-    resolve_model_path,
-)
+from river_hf.loading.models import (DEFAULT_GGUF_FILE, build_chat_inputs, default_model_path,
+    load_model_and_tokenizer, resolve_model_path)
 
 from conftest import make_tiny_tokenizer, save_tiny_model
 

@@ -1,4 +1,4 @@
-"""Backbone offloading (river_hf.offload): an offloaded river computes exactly what the resident one does, pages in
+"""Backbone offloading (river_hf.offload.backbone): an offloaded river computes exactly what the resident one does, pages in
 only the layers a step runs, leaves the twins' shared tensors alone, undoes exactly, and refuses bad input without
 leaving anything half-offloaded."""
 
@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 import river_hf
 from river_hf import RiverConfig, RiverQuantConfig, offload_backbone, offloaded_layers, reload_backbone
-from river_hf.offload import offload_stores, weight_residency
-from river_hf.offload_choice import exit_depth_histogram, layer_shares, rarely_run_layers
+from river_hf.offload.backbone import offload_stores, weight_residency
+from river_hf.offload.choice import exit_depth_histogram, layer_shares, rarely_run_layers
 
 from conftest import ARCHITECTURES, NUM_LAYERS, decoded_depths, generate, river_of, tiny_model
 
@@ -157,7 +157,7 @@ def test_disk_weights_are_memory_mapped_while_a_step_runs(tmp_path):
 def test_cpu_store_logic_on_cpu(monkeypatch, prompt_ids):
     """to='cpu' is for CUDA models; with its device check lifted, its store (CPU tensors behind the same hooks)
     runs here: exact outputs and an exact undo. (The CUDA path itself never ran in these tests.)"""
-    monkeypatch.setattr(river_hf.offload, "_check_destination", lambda to, device: None)
+    monkeypatch.setattr(river_hf.offload.backbone, "_check_destination", lambda to, device: None)
     model = river_of(tiny_model("llama"))
     expected, original = generate(model, prompt_ids, **MIXED), linear_weights(model)
     offload_backbone(model, layers=RIVER_LAYERS, to="cpu")
@@ -251,7 +251,7 @@ def test_a_failure_midway_leaves_nothing_offloaded(fail_at, monkeypatch, tmp_pat
     original = linear_weights(model)
     calls = []
     target = "save_file" if fail_at == "write" else "add_hook_to_module"
-    real = getattr(river_hf.offload, target)
+    real = getattr(river_hf.offload.backbone, target)
 
     def fail_on_third(*args, **kwargs):
         calls.append(1)
@@ -259,7 +259,7 @@ def test_a_failure_midway_leaves_nothing_offloaded(fail_at, monkeypatch, tmp_pat
             raise OSError(28, "No space left on device")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(river_hf.offload, target, fail_on_third)
+    monkeypatch.setattr(river_hf.offload.backbone, target, fail_on_third)
     with pytest.raises(OSError):
         offload_backbone(model, layers=RIVER_LAYERS, folder=str(tmp_path))
     assert_resident(model, tmp_path)
@@ -284,8 +284,8 @@ import json, sys, tempfile
 import torch, transformers
 import river_hf
 from river_hf.bench.memory import proc_status
-from river_hf.offload import weight_residency
-from river_hf.quantize import plain_rounding
+from river_hf.offload.backbone import weight_residency
+from river_hf.kernels.quantize import plain_rounding
 
 config = transformers.LlamaConfig(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
                                   num_key_value_heads=4, vocab_size=256)

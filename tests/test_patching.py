@@ -8,7 +8,7 @@ from torch import nn
 
 import river_hf
 from river_hf import RiverQuantConfig
-from river_hf.quantize import RiverQuantLinear
+from river_hf.kernels.quantize import RiverQuantLinear
 
 from conftest import tiny_model
 
@@ -98,7 +98,7 @@ def test_layers_without_layer_idx_are_unsupported():
 
 
 def test_a_twin_is_a_new_module_tree_over_the_same_tensors():
-    from river_hf.layers import clone_modules
+    from river_hf.core.twins import clone_modules
 
     layer = tiny_model("llama").model.layers[0]
     clone = clone_modules(layer)

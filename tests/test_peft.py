@@ -1,4 +1,4 @@
-"""Rivers on LoRA-adapted models (river_hf.adapters): a `peft.PeftModel`, and a transformers model carrying LoRA layers
+"""Rivers on LoRA-adapted models (river_hf.core.adapters): a `peft.PeftModel`, and a transformers model carrying LoRA layers
 in place (what transformers' `add_adapter` / `load_adapter` build, through `peft.inject_adapter_in_model`).
 
 The twin of a LoRA-adapted linear is its quantized base weight with the LoRA in full precision on top; other variants
@@ -21,10 +21,10 @@ from transformers.pytorch_utils import Conv1D
 
 import river_hf
 from river_hf import RiverQuantConfig
-from river_hf.adapters import LoraOnQuantized
-from river_hf.architectures import find_decoder_layers
-from river_hf.layers import RiverLayer, make_twin
-from river_hf.quantize import RiverQuantLinear
+from river_hf.core.adapters import LoraOnQuantized
+from river_hf.core.architectures import find_decoder_layers
+from river_hf.core.twins import RiverLayer, make_twin
+from river_hf.kernels.quantize import RiverQuantLinear
 
 from conftest import NUM_LAYERS, SIZES, decoded_depths, generate, river_of, tiny_model
 

@@ -1,4 +1,4 @@
-"""peft saves the adapter of a river-built PeftModel under the plain model's names (river_hf.layers
+"""peft saves the adapter of a river-built PeftModel under the plain model's names (river_hf.core.twins
 .AdapterSavingMixin): the file is the one the plain PeftModel writes, and a plain model loads it."""
 
 from __future__ import annotations

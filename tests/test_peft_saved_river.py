@@ -1,4 +1,4 @@
-"""Saved rivers of LoRA-adapted models (river_hf.twin_store with river_hf.adapters): a LoRA-adapted linear's twin
+"""Saved rivers of LoRA-adapted models (river_hf.saving.twin_files with river_hf.core.adapters): a LoRA-adapted linear's twin
 stores the codes of its base weight W alone, under the linear's own name, so the twins file of the base model's river
 and of any LoRA river on it are the same file; the LoRA on top comes from the live adapter when the river is built.
 Merged twins (DoRA, or `lora_twins="merged"`) store the merged weight, which fits only the same adapter."""
@@ -14,9 +14,10 @@ from peft import get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 import river_hf
-from river_hf import RiverQuantConfig, quantize
-from river_hf.adapters import LoraOnQuantized
-from river_hf.twin_store import StoredTwins, TwinsMismatchWarning, save_twins
+from river_hf import RiverQuantConfig
+from river_hf.kernels import quantize
+from river_hf.core.adapters import LoraOnQuantized
+from river_hf.saving.twin_files import StoredTwins, TwinsMismatchWarning, save_twins
 
 from conftest import decoded_depths, generate, tiny_model
 from test_peft import MAKERS, START, lora_config, peft_model_of

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 import river_hf
 from river_hf import RiverQuantConfig
-from river_hf.lm_head import RiverLMHead, original_lm_head
-from river_hf.quantize import RiverQuantLinear
+from river_hf.core.lm_head import RiverLMHead, original_lm_head
+from river_hf.kernels.quantize import RiverQuantLinear
 
 from conftest import count_calls, generate, plain_copy_with_twins, river_of, tiny_model
 

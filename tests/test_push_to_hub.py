@@ -13,7 +13,7 @@ from transformers.utils.hub import PushToHubMixin
 
 import river_hf
 from river_hf import RiverQuantConfig
-from river_hf.twin_store import TWINS_FILE, StoredTwins
+from river_hf.saving.twin_files import TWINS_FILE, StoredTwins
 
 from conftest import tiny_model
 

@@ -1,4 +1,4 @@
-"""river_hf.quantize: HQQ quantization run on the CPU kernels, checked against HQQ's own dequantization."""
+"""river_hf.kernels.quantize: HQQ quantization run on the CPU kernels, checked against HQQ's own dequantization."""
 
 from __future__ import annotations
 
@@ -13,14 +13,8 @@ import torch.nn.functional as F
 from hqq.core.quantize import Quantizer
 from torch import nn
 
-from river_hf.quantize import (
-    BACKENDS,
-    SUPPORTED_GROUP_SIZES,
-    SUPPORTED_NBITS,
-    RiverQuantLinear,
-    plain_rounding,
-    resolve_backend,
-)
+from river_hf.kernels.quantize import (BACKENDS, SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS, RiverQuantLinear,
+    plain_rounding, resolve_backend)
 
 CPU = torch.device("cpu")
 IN, OUT = 256, 128  # OUT: a multiple of 16, as the int4 CPU kernel needs

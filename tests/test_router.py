@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from river_hf import RiverSettings
-from river_hf.router import ExitRouter
-from river_hf.signals import batch_passes, min_token_cosine, sequence_similarity, token_similarity
-from river_hf.signals import Cosine, CosineAtOneLayer, PreviousConfidence, RandomExit, UpdateNorm
+from river_hf.core.exit_decision import ExitRouter
+from river_hf.core.signals import batch_passes, min_token_cosine, sequence_similarity, token_similarity
+from river_hf.core.signals import Cosine, CosineAtOneLayer, PreviousConfidence, RandomExit, UpdateNorm
 
 from conftest import run_step, states_with_cosines
 

@@ -1,4 +1,4 @@
-"""Saved rivers (river_hf.twin_store): `save_pretrained(..., save_twins=True)` stores the twins' HQQ codes, and loading
+"""Saved rivers (river_hf.saving.twin_files): `save_pretrained(..., save_twins=True)` stores the twins' HQQ codes, and loading
 the folder packs them again without HQQ; the loaded river generates exactly what the saved one did. Twins that no
 longer fit (other weights, other config) are rebuilt with a warning; a corrupted file is refused, nothing half done."""
 
@@ -14,10 +14,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import river_hf
-from river_hf import RiverQuantConfig, quantize
-from river_hf.kernels import KERNELS
-from river_hf.offload import offloaded_layers
-from river_hf.twin_store import TWINS_FILE, StoredTwinsError, TwinsMismatchWarning, digest
+from river_hf import RiverQuantConfig
+from river_hf.kernels import quantize
+from river_hf.kernels.registry import KERNELS
+from river_hf.offload.backbone import offloaded_layers
+from river_hf.saving.twin_files import TWINS_FILE, StoredTwinsError, TwinsMismatchWarning, digest
 
 from conftest import ARCHITECTURES, NUM_LAYERS, generate, mixed_tau, tiny_model
 
@@ -59,7 +60,7 @@ def twin_weights(model) -> dict[str, torch.Tensor]:
     weights = {f"{layer.layer_idx}.{name}": module.dequantized_weight()
                for layer in river_hf.river_layers(model) if layer.twin is not None
                for name, module in layer.twin.named_modules() if isinstance(module, quantize.RiverQuantLinear)}
-    head = river_hf.lm_head.river_lm_head(model)
+    head = river_hf.core.lm_head.river_lm_head(model)
     if head is not None:
         weights["lm_head"] = head.quantized_head.dequantized_weight()
     return weights
@@ -296,7 +297,7 @@ def test_a_safetensors_file_without_river_metadata_is_refused(tmp_path):
     path = str(tmp_path / TWINS_FILE)
     save_file({"x": torch.zeros(2)}, path)
     with pytest.raises(StoredTwinsError, match="cannot be read as a river_hf twins file"):
-        river_hf.twin_store.StoredTwins.read(path)
+        river_hf.saving.twin_files.StoredTwins.read(path)
 
 
 def test_twins_are_read_outside_the_loaders_meta_device_context(tmp_path, monkeypatch):
@@ -304,12 +305,12 @@ def test_twins_are_read_outside_the_loaders_meta_device_context(tmp_path, monkey
     torch function mode on the 600+ checksums of a real model), and the tensors it returns are real CPU tensors."""
     _, folder = saved_river(tmp_path)
     modes = []
-    real_checksum = river_hf.twin_store.checksum
-    monkeypatch.setattr(river_hf.twin_store, "checksum", lambda tensor: modes.append(
+    real_checksum = river_hf.saving.twin_files.checksum
+    monkeypatch.setattr(river_hf.saving.twin_files, "checksum", lambda tensor: modes.append(
         torch._C._is_torch_function_mode_enabled()) or real_checksum(tensor))
     with torch.device("meta"):
         assert torch.empty(1).is_meta and torch._C._is_torch_function_mode_enabled()
-        stored = river_hf.twin_store.StoredTwins.read(folder)
+        stored = river_hf.saving.twin_files.StoredTwins.read(folder)
     assert modes and not any(modes)
     assert all(tensor.device.type == "cpu" for tensor in stored.tensors.values())
 
@@ -370,7 +371,7 @@ def test_from_codes_checks_its_input_and_the_grouping_a_kernel_can_read():
 
 @pytest.mark.slow
 def test_smollm2_saved_river_loads_without_hqq(tmp_path):
-    from river_hf.models import load_model_and_tokenizer
+    from river_hf.loading.models import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer(None)
     quant = RiverQuantConfig(**{**BASE, "start_layer": 24, "quantize_lm_head": True})

@@ -1,4 +1,4 @@
-"""Twin linears sharing an input run as one `matmulnbits_cpu` call (river_hf.shared_inputs): which are grouped, that
+"""Twin linears sharing an input run as one `matmulnbits_cpu` call (river_hf.kernels.shared_inputs): which are grouped, that
 every member computes exactly what it computed alone in any call order or input, one run per group and step, threads,
 copies, when `backend="fastest"` fuses, and the river invariants with groups."""
 
@@ -10,10 +10,11 @@ import threading
 import pytest
 import torch
 
-from river_hf import RiverQuantConfig, kernel_choice, ort_kernel, remove_river
-from river_hf.layers import river_layers
-from river_hf.quantize import RiverQuantLinear
-from river_hf.shared_inputs import GroupMember, fuse_shared_inputs, unfuse
+from river_hf import RiverQuantConfig, remove_river
+from river_hf.kernels import choice as kernel_choice, matmulnbits as ort_kernel
+from river_hf.core.twins import river_layers
+from river_hf.kernels.quantize import RiverQuantLinear
+from river_hf.kernels.shared_inputs import GroupMember, fuse_shared_inputs, unfuse
 
 from conftest import assert_full_quantization_is_exact, generate, river_of, tiny_model
 
@@ -171,7 +172,7 @@ def test_fastest_groups_where_the_stacked_shape_timed_faster(monkeypatch, stacke
         assert out_features in widths | {twin.mlp.gate_proj.out_features * 2, twin.mlp.gate_proj.out_features}
         return _choice(out_features, in_features, {"int4pack_cpu": 100.0, "matmulnbits_cpu": 150.0})
 
-    monkeypatch.setattr("river_hf.shared_inputs.fastest_backend", timed)
+    monkeypatch.setattr("river_hf.kernels.shared_inputs.fastest_backend", timed)
     groups = fuse_shared_inputs(twin, RiverQuantConfig(backend="fastest", **MATMULNBITS))
     assert isinstance(attention.q_proj.kernel_inputs, GroupMember) is fused
     if fused:

@@ -1,4 +1,4 @@
-"""Exit signals (`river_hf.signals`): each signal's decision on hand-made hidden states, the router's rules around
+"""Exit signals (`river_hf.core.signals`): each signal's decision on hand-made hidden states, the router's rules around
 them, and the signals end to end in `generate` on a tiny model."""
 
 from __future__ import annotations
@@ -10,18 +10,9 @@ import torch
 
 import river_hf
 from river_hf import RiverSettings
-from river_hf.router import ExitRouter
-from river_hf.signals import (
-    Cosine,
-    CosineAtOneLayer,
-    PreviousConfidence,
-    RandomExit,
-    UpdateNorm,
-    make_signal,
-    signal_names,
-    sequence_update_norm,
-    token_update_norm,
-)
+from river_hf.core.exit_decision import ExitRouter
+from river_hf.core.signals import (Cosine, CosineAtOneLayer, PreviousConfidence, RandomExit, UpdateNorm, make_signal,
+    signal_names, sequence_update_norm, token_update_norm)
 
 from conftest import (
     confidence_tau,

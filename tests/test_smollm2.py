@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from river_hf.models import build_chat_inputs, load_model_and_tokenizer
+from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 
 from conftest import count_twin_calls, decoded_depths, generate, plain_copy_with_twins, river_of
 

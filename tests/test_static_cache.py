@@ -1,4 +1,4 @@
-"""The river on HF's static cache (`cache_implementation="static"`) and its captured decode steps (river_hf.capture).
+"""The river on HF's static cache (`cache_implementation="static"`) and its captured decode steps (river_hf.core.captured_decode).
 
 Invariants, on tiny random models: the static river gives the same tokens and exit record as the dynamic one, tau > 1
 is the backbone, every layer's static slots hold every position; compiled, a planning signal's decode steps run as one

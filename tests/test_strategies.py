@@ -8,9 +8,9 @@ from transformers import DynamicCache
 
 import river_hf
 from river_hf import RiverConfig
-from river_hf import strategies as strategies_module
-from river_hf.generation import new_river_cache
-from river_hf.strategies import strategy_names
+from river_hf.core import kv_strategies as strategies_module
+from river_hf.core.generation import new_river_cache
+from river_hf.core.kv_strategies import strategy_names
 
 from conftest import ARCHITECTURES, NUM_LAYERS as LAYERS, decoded_depths, generate, river_of, tiny_model
 
@@ -76,7 +76,7 @@ def test_min_exit_layer_too_deep_is_a_clear_error(prompt_ids):
 def plain_cache_of(model, sequences, mask) -> DynamicCache:
     """The backbone's own K/V for every position of `sequences` (one full forward)."""
     position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate numbers left-padded rows
-    with river_hf.layers.backbone_layers(model), torch.no_grad():
+    with river_hf.core.twins.backbone_layers(model), torch.no_grad():
         return model(sequences, attention_mask=mask, position_ids=position_ids, cache=DynamicCache(),
                      use_cache=True).cache
 

@@ -1,4 +1,4 @@
-"""The command line keeps the twins it built (river_hf.twin_cache): the next run packs them without HQQ and runs
+"""The command line keeps the twins it built (river_hf.cli.stored_twins): the next run packs them without HQQ and runs
 the same river; changed weights, other twin settings, a damaged file or RIVER_HF_CACHE=off never reuse stale twins."""
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import river_hf
-from river_hf import RiverConfig, RiverQuantConfig, quantize, twin_cache, user_cache
+from river_hf import RiverConfig, RiverQuantConfig, cache_folder as user_cache
+from river_hf.kernels import quantize
+from river_hf.cli import stored_twins as twin_cache
 from river_hf.cli import main
-from river_hf.twin_store import TWINS_FILE, TwinsMismatchWarning
+from river_hf.saving.twin_files import TWINS_FILE, TwinsMismatchWarning
 
 from conftest import save_tiny_model
 

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from river_hf.twin_store import FORMAT_VERSION, METADATA_KEY, TWINS_FILE, StoredTwins, StoredTwinsError, checksum, \
-    digest
+from river_hf.saving.twin_files import (FORMAT_VERSION, METADATA_KEY, TWINS_FILE, StoredTwins, StoredTwinsError,
+    checksum, digest)
 
 from test_saved_river import assert_same_river, corrupt, saved_river, without_hqq
 

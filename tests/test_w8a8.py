@@ -12,9 +12,9 @@ from torch import nn
 
 import river_hf
 from river_hf import RiverQuantConfig
-from river_hf.kernel_choice import candidates
-from river_hf.kernels import runs
-from river_hf.quantize import RiverQuantLinear, resolve_backend
+from river_hf.kernels.choice import candidates
+from river_hf.kernels.registry import runs
+from river_hf.kernels.quantize import RiverQuantLinear, resolve_backend
 
 from conftest import assert_full_quantization_is_exact, generate, river_of, tiny_model
 

@@ -18,10 +18,10 @@ import statistics
 import torch
 from transformers import GenerationConfig
 
-from river_hf import backbone_dtype
+from river_hf.kernels import backbone_dtype
 from river_hf.bench.data import load_prompts
 from river_hf.bench.speed import interleaved
-from river_hf.models import build_chat_inputs, load_model_and_tokenizer
+from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 
 DTYPES = backbone_dtype.CANDIDATES
 

@@ -27,7 +27,7 @@ import warnings
 import torch
 from torch import nn
 
-from river_hf.quantize import RiverQuantLinear
+from river_hf.kernels.quantize import RiverQuantLinear
 
 BASELINE = "bf16 nn.Linear"
 # (label, from_linear kwargs, slow reference: smallest size only, timed on its own)

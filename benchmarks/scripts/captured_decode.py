@@ -1,4 +1,4 @@
-"""The river's decode steps captured (static cache + torch.compile, river_hf.capture) against the compiled backbone.
+"""The river's decode steps captured (static cache + torch.compile, river_hf.core.captured_decode) against the compiled backbone.
 
     python benchmarks/scripts/captured_decode.py                          # packaged SmolLM2-135M, GSM8K + chat prompts
     python benchmarks/scripts/captured_decode.py --rounds 3 --tau 0.3 --max-new-tokens 64
@@ -24,7 +24,7 @@ from transformers import CompileConfig, GenerationConfig
 from river_hf import RiverConfig, RiverQuantConfig, build_river, river_layers
 from river_hf.bench.data import load_prompts
 from river_hf.bench.speed import time_generate
-from river_hf.models import build_chat_inputs, load_model_and_tokenizer
+from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 
 CHAT = ["Write a short poem about the sea.", "Explain what a hash table is to a beginner.",
         "Give three tips for staying focused while studying."]

@@ -28,8 +28,8 @@ from transformers import GenerationConfig
 from river_hf import RiverConfig, RiverQuantConfig, build_river
 from river_hf.bench.speed import time_generate
 from river_hf.bench.data import load_prompts
-from river_hf.layers import river_layers
-from river_hf.models import build_chat_inputs, load_model_and_tokenizer
+from river_hf.core.twins import river_layers
+from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 
 PARTS = {"mlp": ("mlp",), "norms": ("input_layernorm", "post_attention_layernorm"),
          "mlp+norms": ("mlp", "input_layernorm", "post_attention_layernorm")}

@@ -2,7 +2,7 @@
 
     python benchmarks/scripts/inference_mode.py [--prompts 3] [--rounds 2] [--max-new-tokens 128] [--no-lossless] [--output PATH]
 
-A river's `generate` runs under `torch.inference_mode` (`river_hf.generation.GENERATE_IN_INFERENCE_MODE`). This
+A river's `generate` runs under `torch.inference_mode` (`river_hf.core.generation.GENERATE_IN_INFERENCE_MODE`). This
 switches that flag off and on between calls, on one river model (the packaged SmolLM2 with the default
 `RiverQuantConfig()`), GSM8K test prompts with the chat template, batch 1, greedy, every call `max_new_tokens` long:
 - the backbone (a plain `GenerationConfig`: the river model's untouched backbone, as the bench times it);
@@ -22,13 +22,13 @@ import torch
 from transformers import GenerationConfig
 from tqdm.auto import tqdm
 
-import river_hf.generation as generation
+import river_hf.core.generation as generation
 from river_hf import RiverConfig, RiverQuantConfig, build_river
 from river_hf.bench.data import load_prompts
 from river_hf.bench.records import write_record
 from river_hf.bench.run import environment
 from river_hf.bench.speed import time_generate
-from river_hf.models import build_chat_inputs, load_model_and_tokenizer
+from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 
 MODES = {"no_grad": False, "inference_mode": True}  # the value of GENERATE_IN_INFERENCE_MODE
 

@@ -24,7 +24,8 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from river_hf import kernels, quantize, twin_store
+from river_hf.kernels import quantize, registry as kernels
+from river_hf.saving import twin_files as twin_store
 
 SPENT: collections.Counter = collections.Counter()
 CALLS: collections.Counter = collections.Counter()

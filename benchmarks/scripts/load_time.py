@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from river_hf.user_cache import CACHE_ENV
+from river_hf.cache_folder import CACHE_ENV
 
 BACKENDS = ("fastest", "auto")
 TWIN_FIELDS = ("nbits", "group_size", "start_layer", "quantize_lm_head", "lm_head_nbits")
@@ -43,7 +43,7 @@ def systems(folder: str) -> dict[str, list[str]]:
     for backend in BACKENDS:
         entries[f"re-quantizing river ({backend})"] = ["quantize", plain, backend]
         entries[f"saved river ({backend})"] = ["saved", os.path.join(folder, f"river-{backend}"), backend]
-    # The kernel choices `fastest` measured are remembered per machine (river_hf.kernel_choice): every load above
+    # The kernel choices `fastest` measured are remembered per machine (river_hf.kernels.choice): every load above
     # after the first reads them. A machine's first load times them, as this one does (nothing remembered).
     entries["saved river (fastest), first load on a machine"] = ["saved-first", os.path.join(folder, "river-fastest"),
                                                                  "fastest"]
@@ -56,7 +56,7 @@ def prepare(folder: str, model_path: str | None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from river_hf import RiverQuantConfig
-    from river_hf.models import load_model_and_tokenizer
+    from river_hf.loading.models import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer(model_path, dtype=torch.bfloat16)
     model.save_pretrained(os.path.join(folder, "plain"))
@@ -87,7 +87,8 @@ def child(kind: str, folder: str, backend: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import river_hf
-    from river_hf import RiverQuantConfig, quantize
+    from river_hf import RiverQuantConfig
+    from river_hf.kernels import quantize
 
     kwargs = {"dtype": torch.bfloat16}
     if kind == "saved-first":
@@ -146,7 +147,7 @@ def main(argv=None) -> dict:
         return {}
     import torch
 
-    from river_hf.kernel_choice import cpu_description
+    from river_hf.kernels.choice import cpu_description
 
     folder = args.folder or tempfile.mkdtemp(prefix="river-load-time-")
     user_cache = os.environ.get(CACHE_ENV)

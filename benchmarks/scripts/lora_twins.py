@@ -1,7 +1,7 @@
 """Which twin is more faithful to a LoRA-adapted layer: (a) one quantized linear of the merged weight W + s·B·A
 (river_hf's behaviour before issue 11, and still its behaviour for DoRA and non-LoRA tuners), or (b) a quantized W
 with the LoRA's A, B kept in full precision on top (two extra rank-r matmuls per adapted linear; river_hf's behaviour
-for plain LoRA now: the twins `river_hf.layers.make_twin` builds)? And (c), for scale: a quantized W that drops the
+for plain LoRA now: the twins `river_hf.core.twins.make_twin` builds)? And (c), for scale: a quantized W that drops the
 adapter.
 
     python benchmarks/scripts/lora_twins.py [--rho 0.05] [--seed 0] [--nbits 4] [--group-size 64] [--prompts 8] [--tokens 48]
@@ -36,15 +36,15 @@ from peft.tuners.lora import LoraLayer
 
 import river_hf
 from river_hf import RiverQuantConfig, RiverSettings
-from river_hf.adapters import merged_linear, tuner_layers
-from river_hf.architectures import find_decoder_layers
+from river_hf.core.adapters import merged_linear, tuner_layers
+from river_hf.core.architectures import find_decoder_layers
 from river_hf.bench.data import load_gsm8k
 from river_hf.bench.fidelity import backbone_references, measure_fidelity
 from river_hf.bench.speed import interleaved, median_rate
-from river_hf.generation import RiverConfig
-from river_hf.layers import make_twin
-from river_hf.models import build_chat_inputs, load_model_and_tokenizer
-from river_hf.quantize import RiverQuantLinear
+from river_hf.core.generation import RiverConfig
+from river_hf.core.twins import make_twin
+from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
+from river_hf.kernels.quantize import RiverQuantLinear
 
 START = 1
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

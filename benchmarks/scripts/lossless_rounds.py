@@ -19,10 +19,10 @@ import torch
 
 from river_hf import RiverConfig, RiverQuantConfig, build_river
 from river_hf.bench.data import load_prompts
-from river_hf.commands.common import nbits_arg
-from river_hf.draft_control import PROBE_STEPS
-from river_hf.lossless import forget_fallbacks
-from river_hf.models import build_chat_inputs, load_model_and_tokenizer
+from river_hf.cli.commands.common import nbits_arg
+from river_hf.lossless.draft_control import PROBE_STEPS
+from river_hf.lossless.decode import forget_fallbacks
+from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 
 
 def plain_step_seconds(model, inputs: dict) -> float:

@@ -28,9 +28,9 @@ from river_hf.bench.data import load_prompts
 from river_hf.bench.fidelity import backbone_references, measure_fidelity
 from river_hf.bench.records import write_record
 from river_hf.bench.run import environment
-from river_hf.config import AUTO_SHALLOW_SHARE
-from river_hf.models import build_chat_inputs, load_model_and_tokenizer
-from river_hf.settings import RiverSettings
+from river_hf.core.config import AUTO_SHALLOW_SHARE
+from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
+from river_hf.core.settings import RiverSettings
 
 KINDS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
          "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}

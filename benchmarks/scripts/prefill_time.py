@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 from river_hf import RiverConfig, RiverQuantConfig, build_river
 from river_hf.bench.data import load_prompts
 from river_hf.bench.speed import interleaved
-from river_hf.models import build_chat_inputs, load_model_and_tokenizer
+from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 
 
 def systems() -> dict[str, GenerationConfig]:

@@ -1,4 +1,4 @@
-"""Does one `matmulnbits_cpu` call per group of linears sharing an input (q/k/v, gate/up; river_hf.shared_inputs)
+"""Does one `matmulnbits_cpu` call per group of linears sharing an input (q/k/v, gate/up; river_hf.kernels.shared_inputs)
 make decoding faster than one call per linear? Measured in one process, interleaved, on a random-weight model.
 
     python benchmarks/scripts/shared_inputs.py                                  # Llama-3.2-1B's shape, 4 rounds of 32 tokens
@@ -24,9 +24,9 @@ from transformers import GenerationConfig
 from river_hf import RiverConfig, RiverQuantConfig, build_river
 from river_hf.bench.shapes import SHAPES, random_model, random_prompts
 from river_hf.bench.speed import time_generate
-from river_hf.layers import river_layers
-from river_hf.quantize import RiverQuantLinear, plain_rounding
-from river_hf.shared_inputs import GroupMember, group_siblings, sibling_groups, unfuse
+from river_hf.core.twins import river_layers
+from river_hf.kernels.quantize import RiverQuantLinear, plain_rounding
+from river_hf.kernels.shared_inputs import GroupMember, group_siblings, sibling_groups, unfuse
 
 EVERYTHING = "full-quant, every set grouped"
 

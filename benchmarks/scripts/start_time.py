@@ -1,5 +1,5 @@
 """How long does loading the packaged SmolLM2-135M GGUF take, converted from the GGUF each time vs read from the
-cached conversion (river_hf.gguf_cache)? Each load runs in a fresh Python process, the two kinds alternating, and the
+cached conversion (river_hf.loading.gguf)? Each load runs in a fresh Python process, the two kinds alternating, and the
 table gives medians: the import of river_hf (torch, transformers) and the load itself.
 
     python benchmarks/scripts/start_time.py              # 3 rounds
@@ -22,7 +22,7 @@ import torch
 _ONE_LOAD = """
 import json, time
 started = time.perf_counter()
-from river_hf.models import load_model_and_tokenizer
+from river_hf.loading.models import load_model_and_tokenizer
 imported = time.perf_counter()
 load_model_and_tokenizer()
 print(json.dumps({"import_s": imported - started, "load_s": time.perf_counter() - imported}))

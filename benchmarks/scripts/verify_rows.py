@@ -5,7 +5,7 @@
 
 After one prompt, the same k + 1 tokens are computed (a) as k + 1 one-token steps, as plain generate does, then as
 one pass: (b) batched, as transformers' assisted decoding verifies; (c) with only attention row by row; (d) with only
-the linears row by row; (e) with `river_hf.exact_rows` (lossless mode's default: attention row by row, and the
+the linears row by row; (e) with `river_hf.lossless.exact_rows` (lossless mode's default: attention row by row, and the
 linears whose kernel the probe finds not batch-invariant at this shape). Per variant: how many logits and cached
 K/V elements differ from (a), and the pass's median time over `--repeats` (interleaved; time it on a quiet machine).
 
@@ -25,8 +25,8 @@ from contextlib import nullcontext
 import torch
 from transformers import DynamicCache
 
-from river_hf.exact_rows import ExactRows
-from river_hf.models import load_model_and_tokenizer
+from river_hf.lossless.exact_rows import ExactRows
+from river_hf.loading.models import load_model_and_tokenizer
 
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
           "clips did Natalia sell altogether in April and May?")
@@ -40,13 +40,13 @@ def variants(model, rows: int) -> dict:
     linears_only.configs, linears_only._apart = [], {rows: linears_only.linears}
     return {"one-token steps": None, "one pass, batched": nullcontext, "one pass, attention by row":
             lambda: attention_only.rows(rows), "one pass, linears by row": lambda: linears_only.rows(rows),
-            "one pass, river_hf.exact_rows": lambda: exact.rows(rows)}
+            "one pass, river_hf.lossless.exact_rows": lambda: exact.rows(rows)}
 
 
 def real_text(model, tokenizer, number: int, offsets: list[int], rows: int) -> dict:
     """(b) and (e) against one-token steps on the `number`-th GSM8K prompt, at each offset into its continuation."""
     from river_hf.bench.data import load_prompts
-    from river_hf.models import build_chat_inputs
+    from river_hf.loading.models import build_chat_inputs
 
     prompt_ids = build_chat_inputs(tokenizer, load_prompts(number).prompts[number - 1])["input_ids"]
     start = prompt_ids.shape[1]

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..architectures import find_decoder_layers
-from ..layers import RiverLayer
-from ..lm_head import RiverLMHead
-from ..quantize import RiverQuantLinear
+from ..core.architectures import find_decoder_layers
+from ..core.twins import RiverLayer
+from ..core.lm_head import RiverLMHead
+from ..kernels.quantize import RiverQuantLinear
 
 HQQ_META = ("scale", "zero")  # HQQ's fp32 per-group meta: read only by the 'hqq' backend's dequantization
 

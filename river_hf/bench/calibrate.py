@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..config import RiverQuantConfig
-from ..models import DEFAULT_GGUF_FILE, build_chat_inputs, resolve_model_path
-from ..user_cache import data_root
+from ..core.config import RiverQuantConfig
+from ..loading.models import DEFAULT_GGUF_FILE, build_chat_inputs, resolve_model_path
+from ..cache_folder import data_root
 from .fidelity import Reference, backbone_references
 from .systems import river_system, twin_description
 

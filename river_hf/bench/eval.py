@@ -24,8 +24,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from ..models import build_chat_inputs
-from ..patching import is_river
+from ..loading.models import build_chat_inputs
+from ..core.build import is_river
 from .speed import Timing, time_generate
 from .systems import BACKBONE, System, twin_description, twin_label
 

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from ..generation import new_river_cache
-from ..settings import RiverSettings
+from ..core.generation import new_river_cache
+from ..core.settings import RiverSettings
 
 
 @dataclass

@@ -19,8 +19,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ..generation import RiverConfig
-from ..models import build_chat_inputs
+from ..core.generation import RiverConfig
+from ..loading.models import build_chat_inputs
 from .speed import TokenClock
 from .systems import BACKBONE, fixed_length, twin_description
 

@@ -19,13 +19,13 @@ import threading
 import torch
 from transformers import GenerationConfig
 
-from ..config import RiverQuantConfig
-from ..freed_memory import release_freed_memory
-from ..generation import RiverConfig
-from ..models import load_model_and_tokenizer
-from ..offload import offload_backbone, weight_residency
-from ..patching import build_river
-from ..quantize import plain_rounding
+from ..core.config import RiverQuantConfig
+from ..core.freed_memory import release_freed_memory
+from ..core.generation import RiverConfig
+from ..loading.models import load_model_and_tokenizer
+from ..offload.backbone import offload_backbone, weight_residency
+from ..core.build import build_river
+from ..kernels.quantize import plain_rounding
 from .shapes import random_model
 from .systems import fixed_length, static_full_quant
 

@@ -1,5 +1,5 @@
 """`river-hf bench --offload`: the backbone, full quantization, the river and the river with its rarely run backbone
-layers offloaded (river_hf.offload), compared on speed, fidelity, resident weight bytes and memory (the paper's
+layers offloaded (river_hf.offload.backbone), compared on speed, fidelity, resident weight bytes and memory (the paper's
 Table 6 analogue).
 
 - Speed and fidelity: one process, interleaved after warm-up (`run.run_bench`). The offloaded river is a deep copy of
@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass, field
 
 from transformers import GenerationConfig
 
-from ..architectures import find_decoder_layers
-from ..generation import RiverConfig
-from ..layers import river_layers
-from ..offload import offload_backbone, offload_stores, weight_residency
-from ..offload_choice import exit_depth_histogram, layer_shares, rarely_run_layers
+from ..core.architectures import find_decoder_layers
+from ..core.generation import RiverConfig
+from ..core.twins import river_layers
+from ..offload.backbone import offload_backbone, offload_stores, weight_residency
+from ..offload.choice import exit_depth_histogram, layer_shares, rarely_run_layers
 from .run import BenchSettings, run_bench
 from .speed import time_generate
 from .systems import BACKBONE, STATIC_FULL_QUANT, System, fixed_length, static_full_quant

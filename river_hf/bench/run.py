@@ -26,10 +26,10 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from .. import kernel_choice, ort_kernel
-from ..models import build_chat_inputs
-from ..layers import river_layers
-from ..patching import is_river
+from ..kernels import choice as kernel_choice, matmulnbits as ort_kernel
+from ..loading.models import build_chat_inputs
+from ..core.twins import river_layers
+from ..core.build import is_river
 from .bytes import add_byte_limits
 from .fidelity import Fidelity, backbone_references
 from .report import full_quant_target, versus_random

@@ -20,11 +20,11 @@ from dataclasses import replace
 import torch
 from transformers import GenerationConfig
 
-from ..config import RiverQuantConfig
-from ..generation import RiverConfig
-from ..lm_head import river_lm_head
-from ..patching import build_river, remove_river
-from ..quantize import plain_rounding
+from ..core.config import RiverQuantConfig
+from ..core.generation import RiverConfig
+from ..core.lm_head import river_lm_head
+from ..core.build import build_river, remove_river
+from ..kernels.quantize import plain_rounding
 from .systems import FULL_QUANT_RIVER
 from .run import BenchSettings, dtype_name, environment, finish_record, peak_rss_bytes, run_bench
 from .shapes import PROMPT_LENGTH, SHAPES, random_model, random_prompts

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from ..cache import RiverCache
-from ..generation import RiverConfig
+from ..core.kv_cache import RiverCache
+from ..core.generation import RiverConfig
 
 
 class TokenClock(BaseStreamer):

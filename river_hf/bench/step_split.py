@@ -17,9 +17,9 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from ..architectures import find_decoder_layers
-from ..layers import RiverLayer
-from ..quantize import RiverQuantLinear
+from ..core.architectures import find_decoder_layers
+from ..core.twins import RiverLayer
+from ..kernels.quantize import RiverQuantLinear
 from .speed import time_generate
 
 PARTS = ("matmuls", "rest_of_layers", "routing", "outside_layers")

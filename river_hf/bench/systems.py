@@ -17,15 +17,15 @@ import torch
 from torch import nn
 from transformers import CompileConfig, GenerationConfig
 
-from ..architectures import find_decoder_layers
-from ..config import bits_label
-from ..defaults import auto_settings
-from ..generation import RiverConfig, measure_river_exit_gain
-from ..layers import RiverLayer, river_layers, twin_linears
-from ..patching import is_river
-from ..settings import RiverSettings
-from ..signals import cosine_score, update_norm_score
-from ..strategies import strategy_names
+from ..core.architectures import find_decoder_layers
+from ..core.config import bits_label
+from ..core.auto_tau import auto_settings
+from ..core.generation import RiverConfig, measure_river_exit_gain
+from ..core.twins import RiverLayer, river_layers, twin_linears
+from ..core.build import is_river
+from ..core.settings import RiverSettings
+from ..core.signals import cosine_score, update_norm_score
+from ..core.kv_strategies import strategy_names
 from .fidelity import Fidelity, Reference, measure_fidelity
 
 # The packaged SmolLM2-135M: decoder layers 2-28 have cos(h_in, h_out) of about 0.92-0.98, so tau <= 0.9 exits
@@ -117,7 +117,7 @@ def is_compiled(config: GenerationConfig) -> bool:
 
 def compiled_systems(device: str, fixed: dict, exit_rates=(), seed: int = 0) -> list[System]:
     """What a user who knows transformers' static cache and compile has (the compiled backbone), and the river's
-    systems captured the same way (river_hf.capture): full quantization and random routing at each rate."""
+    systems captured the same way (river_hf.core.captured_decode): full quantization and random routing at each rate."""
     static = dict(fixed, cache_implementation="static", compile_config=compile_config(device))
     return [System(COMPILED_BACKBONE, "backbone", GenerationConfig(**static)),
             System(FULL_QUANT + CAPTURED, "full-quant", RiverConfig(**FULL_QUANT_RIVER, **static), tau=-1.0),

@@ -1,7 +1,0 @@
-"""The `river-hf` subcommands, one module each: `add_parser(subparsers)` declares its arguments, `run(args) -> int`
-does the command by calling the library (`river_hf.bench.*`, `river_hf.display`). Shared argument groups live in
-`common.py`; `river_hf.cli` only assembles them."""
-
-from . import bench, calibrate, eval, generate, plot
-
-COMMANDS = (generate, eval, bench, plot, calibrate)  # in the order `river-hf --help` lists them
