@@ -57,13 +57,13 @@ def one_thread():
 def hqq_calls(monkeypatch):
     """Counts HQQ quantizations (one per twin linear built from scratch): [count]."""
     calls = [0]
-    real = quantize._hqq_quantize
+    real = quantize.hqq_quantize
 
     def counting(*args, **kwargs):
         calls[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(quantize, "_hqq_quantize", counting)
+    monkeypatch.setattr(quantize, "hqq_quantize", counting)
     return calls
 
 

@@ -15,9 +15,9 @@ def fresh_choices(tmp_path, monkeypatch):
     """Each test starts with nothing measured: no memo, an empty cache folder of its own."""
     monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("RIVER_HF_DTYPE", raising=False)  # conftest pins the command line's default: 'auto' here
-    backbone_dtype._CHOICES.clear()
+    backbone_dtype.forget()
     yield
-    backbone_dtype._CHOICES.clear()
+    backbone_dtype.forget()
 
 
 def timings(bf16: float, fp32: float):
@@ -50,11 +50,11 @@ def test_a_choice_is_measured_once_then_remembered_on_this_machine(monkeypatch):
     monkeypatch.setattr(kernel_choice, "interleaved_medians", medians)
     first = backbone_dtype.choose((128, 64))
     assert backbone_dtype.choose((128, 64)) is first and len(calls) == 1  # the process's memo
-    backbone_dtype._CHOICES.clear()  # a new process on the same machine
+    backbone_dtype.forget()  # a new process on the same machine
     again = backbone_dtype.choose((128, 64))
     assert len(calls) == 1 and again.remembered and again.dtype == "float32"
     assert again.microseconds == first.microseconds and "measured earlier on this machine" in again.describe()
-    backbone_dtype._CHOICES.clear()
+    backbone_dtype.forget()
     kernel_choice.forget()  # forgetting the machine's measurements times again
     backbone_dtype.choose((128, 64))
     assert len(calls) == 2

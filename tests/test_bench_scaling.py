@@ -145,14 +145,14 @@ def test_w8a8_build_alone_carries_the_head_and_its_own_name(tmp_path):
 
 
 def test_scaling_plot_keeps_random_routing_of_each_twin_build_apart():
-    from river_hf.bench.plots import _line
+    from river_hf.bench.plots import plot_line
 
     record = {"random_model": {"twin_builds": {"8-bit": {}, "4-bit": {}}}}
     w8a8 = {"random_model": {"twin_builds": {"8-bit W8A8": {}}}}
     random_system = {"name": "random p=0.5", "kind": "random"}
-    assert _line(record, random_system) == "random p=0.5 (4-bit twins)"
-    assert _line(w8a8, random_system) == "random p=0.5 (8-bit W8A8 twins)"
-    assert _line(w8a8, {"name": "static 8-bit W8A8", "kind": "static-full-quant"}) == "static 8-bit W8A8"
+    assert plot_line(record, random_system) == "random p=0.5 (4-bit twins)"
+    assert plot_line(w8a8, random_system) == "random p=0.5 (8-bit W8A8 twins)"
+    assert plot_line(w8a8, {"name": "static 8-bit W8A8", "kind": "static-full-quant"}) == "static 8-bit W8A8"
 
 
 def test_scaling_panels_tell_amx_from_no_amx(scaling_run):

@@ -96,10 +96,10 @@ def test_row_wise_linears_give_the_one_row_bits(monkeypatch):
 
 def test_the_batch_invariance_probe_is_remembered_per_shape():
     linear = nn.Linear(64, 96)
-    before = len(exact_rows._BATCH_INVARIANT)
+    before = exact_rows.probed_shapes()
     first = exact_rows.batch_invariant(linear, 4)
     assert exact_rows.batch_invariant(nn.Linear(64, 96), 4) == first
-    assert len(exact_rows._BATCH_INVARIANT) - before == 1
+    assert exact_rows.probed_shapes() - before == 1
 
 
 def _linear_that_differs_at(batched_call: int | None, calls: dict):
@@ -119,20 +119,26 @@ def _linear_that_differs_at(batched_call: int | None, calls: dict):
     return linear
 
 
-def test_the_probe_finds_a_kernel_that_differs_on_a_few_outputs_only(monkeypatch):
+@pytest.fixture
+def fresh_probes():
+    """Probes of a faked F.linear must not outlive the test: forgotten before and after."""
+    exact_rows.forget_probes()
+    yield
+    exact_rows.forget_probes()
+
+
+def test_the_probe_finds_a_kernel_that_differs_on_a_few_outputs_only(monkeypatch, fresh_probes):
     """A batched kernel that sums in another order differs from one-row calls only where that moves a bf16 rounding
     (~1 output in 8000 on an AMD EPYC with AVX-512-BF16), so one random input can miss it: the probe tries more."""
     calls = {"batched": 0}
     monkeypatch.setattr(exact_rows.F, "linear", _linear_that_differs_at(10, calls))
-    monkeypatch.setattr(exact_rows, "_BATCH_INVARIANT", {})
     assert not exact_rows.batch_invariant(nn.Linear(64, 96), 4)
     assert calls["batched"] == 10  # it stops at the first difference
 
 
-def test_the_probe_compares_its_quota_of_outputs_before_calling_a_kernel_invariant(monkeypatch):
+def test_the_probe_compares_its_quota_of_outputs_before_calling_a_kernel_invariant(monkeypatch, fresh_probes):
     calls = {"batched": 0}
     monkeypatch.setattr(exact_rows.F, "linear", _linear_that_differs_at(None, calls))
-    monkeypatch.setattr(exact_rows, "_BATCH_INVARIANT", {})
     assert exact_rows.batch_invariant(nn.Linear(64, 96), 4)
     assert calls["batched"] == min(exact_rows.MAX_PROBES, -(-exact_rows.PROBE_OUTPUTS // (4 * 96)))
     calls["batched"] = 0

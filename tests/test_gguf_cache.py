@@ -25,7 +25,7 @@ def fake_gguf(tmp_path, monkeypatch):
     path.parent.mkdir()
     path.write_bytes(b"GGUF stand-in")
     conversions = []
-    real_load = models._load_pretrained
+    real_load = models.load_pretrained
 
     def load(folder, dtype, **kwargs):
         if "gguf_file" not in kwargs:
@@ -33,7 +33,7 @@ def fake_gguf(tmp_path, monkeypatch):
         conversions.append(kwargs["gguf_file"])
         return tiny_model("llama").to(dtype), make_tiny_tokenizer()
 
-    monkeypatch.setattr(models, "_load_pretrained", load)
+    monkeypatch.setattr(models, "load_pretrained", load)
     return path, conversions
 
 

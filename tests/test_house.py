@@ -1,5 +1,6 @@
 """The layout's own rules (CONTRIBUTING.md): no import circle between river_hf's modules, no file over ~400 lines,
-argparse only in the command-line modules, no binary file in git."""
+argparse only in the command-line modules, no binary file in git, subpackages importing downwards, tests using public
+seams."""
 
 from __future__ import annotations
 
@@ -120,3 +121,91 @@ def test_importing_river_hf_does_not_load_transformers_modeling_utils():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "False"
+
+
+# ---- layers: a subpackage imports from its own and the ones below it ------------------------------------------------
+RANKS = {"checks": 0, "cache_folder": 0, "kernels": 1, "loading": 1, "core": 2, "lossless": 3, "offload": 3,
+         "saving": 3, "bench": 4, "cli": 5}
+# The upward imports the design has, each named in CONTRIBUTING.md: build_river installs offloading and saved twins,
+# generate hands lossless calls to lossless/ and pushes saved twins.
+UPWARD = {("river_hf.core.build", "river_hf.offload.backbone"), ("river_hf.core.build", "river_hf.saving.twin_files"),
+          ("river_hf.core.generation", "river_hf.lossless.decode"), ("river_hf.core.generation", "river_hf.saving"),
+          ("river_hf.core.generation", "river_hf.saving.twin_files")}
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None  # None: river_hf/__init__.py, the public API, above everything
+
+
+def upward_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(module, dep) for module, deps in graph.items() for dep in deps
+            if layer_of(module) is not None and RANKS[layer_of(dep)] > RANKS[layer_of(module)]}
+
+
+def test_every_subpackage_has_a_layer_and_imports_only_downwards():
+    graph = import_graph()
+    assert {layer_of(module) for module in graph} - {None} == set(RANKS)
+    assert upward_imports(graph) == UPWARD  # a new upward import is a design change: name it here and in CONTRIBUTING
+    assert not any(layer_of(dep) == "core" for module, deps in graph.items() if layer_of(module) == "kernels"
+                   for dep in deps)  # the kernels know nothing of rivers
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert upward_imports({"river_hf.kernels.quantize": {"river_hf.core.twins"}}) == {
+        ("river_hf.kernels.quantize", "river_hf.core.twins")}
+
+
+def test_the_package_folder_lists_a_dozen_entries():
+    entries = {path.name for path in PACKAGE.iterdir() if path.name != "__pycache__"}
+    assert len(entries) <= 12, sorted(entries)
+
+
+# ---- tests use public seams -------------------------------------------------------------------------------------
+def private_names_reached(source: str, known: set[str]) -> list[str]:
+    """The private names (`_x`, not dunders) of river_hf modules that `source` imports, reads or monkeypatches."""
+    tree = ast.parse(source)
+    modules = {}  # local name -> river_hf module
+    reached = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("river_hf"):
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in known:
+                    modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                elif is_private(alias.name):
+                    reached.append(f"{node.module}.{alias.name}")
+        elif isinstance(node, ast.Import):
+            modules.update({alias.asname or alias.name: alias.name for alias in node.names if alias.name in known})
+
+    def names_module(node) -> bool:
+        dotted = ast.unparse(node)
+        return dotted in modules or dotted in known
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_private(node.attr) and names_module(node.value):
+            reached.append(f"{ast.unparse(node.value)}.{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "setattr"
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and is_private(str(node.args[1].value)) and names_module(node.args[0])):
+            reached.append(f"{ast.unparse(node.args[0])}.{node.args[1].value}")
+    return reached
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_test_reaches_for_a_private_name_of_a_river_hf_module():
+    known = set(import_graph())
+    reached = {path.name: found for path in sorted(PACKAGE.parent.joinpath("tests").glob("*.py"))
+               if (found := private_names_reached(path.read_text(), known))}
+    assert not reached, f"use (or add) a public seam such as kernel_choice.forget(): {reached}"
+
+
+def test_the_private_name_finder_finds_each_kind():
+    known = {"river_hf.kernels.choice", "river_hf.kernels"}
+    source = ("from river_hf.kernels import choice as kc\nfrom river_hf.kernels.choice import _pick\n"
+              "import river_hf.kernels.choice\nkc._CHOICES.clear()\nmonkeypatch.setattr(kc, '_pick', None)\n"
+              "river_hf.kernels.choice._memo\nkc.forget()\nkc.__name__\nother._private")
+    assert sorted(private_names_reached(source, known)) == [
+        "kc._CHOICES", "kc._pick", "river_hf.kernels.choice._memo", "river_hf.kernels.choice._pick"]

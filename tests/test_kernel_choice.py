@@ -15,7 +15,7 @@ from torch import nn
 
 import river_hf
 from river_hf import RiverConfig, RiverQuantConfig
-from river_hf.kernels import choice as kernel_choice
+from river_hf.kernels import choice as kernel_choice, machine
 from river_hf.core.generation import new_river_cache
 from river_hf.core.twins import twin_linears, twins_prefill_faster
 from river_hf.kernels.quantize import RiverQuantLinear
@@ -85,7 +85,7 @@ def test_the_avx2_dispatch_builds_and_runs_a_correct_river():
     script = textwrap.dedent("""
         import torch, warnings
         from torch import nn
-        from river_hf import kernel_choice
+        from river_hf.kernels import choice as kernel_choice, machine
         from river_hf.kernels.quantize import RiverQuantLinear
         assert torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT"), torch.backends.cpu.get_cpu_capability()
         torch.manual_seed(0)
@@ -95,7 +95,7 @@ def test_the_avx2_dispatch_builds_and_runs_a_correct_river():
                 twin = RiverQuantLinear.from_linear(linear, nbits=nbits, group_size=group, backend=name)
                 expected = x.float() @ twin.dequantized_weight().t() + linear.bias.detach()
                 torch.testing.assert_close(twin(x).float(), expected, atol=0.05, rtol=0.02)
-        print("ok", kernel_choice.cpu_description()["cpu_capability"], len(kernel_choice.measured_choices()))
+        print("ok", machine.cpu_description()["cpu_capability"], len(kernel_choice.measured_choices()))
     """)
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
@@ -107,31 +107,37 @@ def test_records_name_the_cpus_instruction_sets_apart_from_torchs_dispatch():
     """torch reports "AVX512" on an AMX CPU: the description lists the CPU's own flags that kernels turn on."""
     cpuinfo = ("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile "
                "amx_bf16 amx_int8 avx512_vnni\n")
-    assert kernel_choice.cpu_features(cpuinfo) == ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile",
+    assert machine.cpu_features(cpuinfo) == ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile",
                                                    "amx_bf16", "amx_int8"]
-    assert kernel_choice.cpu_features("flags\t: fpu sse2 avx2 fma\n") == ["avx2"]
-    assert kernel_choice.cpu_features("no flags line here\n") == []
-    described = kernel_choice.cpu_description()
+    assert machine.cpu_features("flags\t: fpu sse2 avx2 fma\n") == ["avx2"]
+    assert machine.cpu_features("no flags line here\n") == []
+    described = machine.cpu_description()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as file:
             flags = next(line for line in file if line.startswith("flags")).split()
-        assert described["cpu_features"] == [f for f in kernel_choice.ISA_FEATURES if f in flags]
+        assert described["cpu_features"] == [f for f in machine.ISA_FEATURES if f in flags]
 
 
-def test_a_river_built_with_an_explicit_backend_ignores_other_rivers_prompt_timings(monkeypatch):
+@pytest.fixture
+def forgotten_choices():
+    """Choices a test sets up (`kernel_choice.keep`) must not outlive it: this process's memo is emptied before and
+    after (later builds measure again, or read the machine's store)."""
+    kernel_choice.forget(machine=False)
+    yield
+    kernel_choice.forget(machine=False)
+
+
+def test_a_river_built_with_an_explicit_backend_ignores_other_rivers_prompt_timings(forgotten_choices):
     """This process measured (for a 'fastest' river) that the twins run prompts slower at these shapes, as bf16 GEMMs
     on AMX do: a river built with backend="auto" measured nothing, so its prompts still exit (the paper's default),
     whatever ran before it. Where 'fastest' built the river, that measurement decides."""
     auto = river_hf.build_river(tiny_model(), RiverQuantConfig(nbits=4, start_layer=1, group_size=32, backend="auto"),
                                 progress=False)
-    slower = {}
     for layer in river_hf.river_layers(auto)[1:]:
         for linear in twin_linears(layer.twin):
-            key = (linear.out_features, linear.in_features, 4, 32, "cpu", torch.get_num_threads(), None)
-            slower[key] = kernel_choice.KernelChoice(
+            kernel_choice.keep(kernel_choice.KernelChoice(
                 linear.out_features, linear.in_features, 4, 32, "cpu", linear.backend,
-                {linear.backend: 1.0, "dense": 2.0}, {linear.backend: 9.0, "dense": 1.0})
-    monkeypatch.setattr(kernel_choice, "_CHOICES", slower)
+                {linear.backend: 1.0, "dense": 2.0}, {linear.backend: 9.0, "dense": 1.0}))
     assert twins_prefill_faster(river_hf.river_layers(auto))
     assert new_river_cache(auto, RiverConfig(tau=-1).river_settings()).router.settings.prefill_exit == "sequence"
     fastest = river_hf.build_river(tiny_model(), RiverQuantConfig(nbits=4, start_layer=1, group_size=32,

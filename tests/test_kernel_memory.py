@@ -22,26 +22,26 @@ SHAPE = (4, 64, 128, 256)  # nbits, group_size, out_features, in_features
 def fresh(monkeypatch, tmp_path):
     """An empty cache folder and an empty per-process memo; `timings` counts the timing runs."""
     monkeypatch.setenv(user_cache.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(kernel_choice, "_CHOICES", {})
+    kernel_choice.forget(machine=False)
     timings = []
-    real = kernel_choice._time_candidates
+    real = kernel_choice.time_candidates
 
     def counted(*args, **kwargs):
         timings.append(args[0])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kernel_choice, "_time_candidates", counted)
+    monkeypatch.setattr(kernel_choice, "time_candidates", counted)
     return timings
 
 
 def store_file() -> str:
-    return kernel_choice._store_path(torch.device("cpu"))
+    return kernel_choice.store_path(torch.device("cpu"))
 
 
 def test_a_choice_is_timed_once_and_then_read_back(fresh, monkeypatch):
     measured = kernel_choice.fastest_backend(*SHAPE, "cpu")
     assert fresh and not measured.remembered and os.path.isfile(store_file())
-    monkeypatch.setattr(kernel_choice, "_CHOICES", {})  # as in a new process
+    kernel_choice.forget(machine=False)  # as in a new process
     fresh.clear()
     remembered = kernel_choice.fastest_backend(*SHAPE, "cpu")
     assert fresh == [] and remembered.remembered
@@ -55,11 +55,11 @@ def test_another_process_reads_the_choice(fresh):
     measured = kernel_choice.fastest_backend(*SHAPE, "cpu")
     code = textwrap.dedent(f"""
         import torch
-        from river_hf import kernel_choice
+        from river_hf.kernels import choice as kernel_choice
         torch.set_num_threads({torch.get_num_threads()})
         def refuse(*args, **kwargs):
             raise SystemExit("timed again")
-        kernel_choice._time_candidates = refuse
+        kernel_choice.time_candidates = refuse
         choice = kernel_choice.fastest_backend(*{SHAPE}, "cpu")
         print(choice.remembered, choice.backend)
     """)
@@ -73,11 +73,11 @@ def test_another_machine_or_thread_count_times_again(fresh, monkeypatch):
     real_identity = kernel_choice.machine_identity
     monkeypatch.setattr(kernel_choice, "machine_identity",
                         lambda device: {**real_identity(device), "cpu_capability": "AVX512_BF16"})
-    monkeypatch.setattr(kernel_choice, "_CHOICES", {})
+    kernel_choice.forget(machine=False)
     fresh.clear()
     assert not kernel_choice.fastest_backend(*SHAPE, "cpu").remembered and fresh
     monkeypatch.setattr(kernel_choice, "machine_identity", real_identity)
-    monkeypatch.setattr(kernel_choice, "_CHOICES", {})
+    kernel_choice.forget(machine=False)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
@@ -104,7 +104,7 @@ def test_an_unusable_entry_is_timed_again_and_rewritten(fresh, monkeypatch, dama
         text = json.dumps(content)
     with open(path, "w") as file:
         file.write(text)
-    monkeypatch.setattr(kernel_choice, "_CHOICES", {})
+    kernel_choice.forget(machine=False)
     fresh.clear()
     choice = kernel_choice.fastest_backend(*SHAPE, "cpu")
     assert not choice.remembered and fresh
@@ -116,7 +116,7 @@ def test_an_unusable_entry_is_timed_again_and_rewritten(fresh, monkeypatch, dama
 def test_cache_off_remembers_nothing(fresh, monkeypatch, tmp_path):
     monkeypatch.setenv(user_cache.CACHE_ENV, "off")
     kernel_choice.fastest_backend(*SHAPE, "cpu")
-    monkeypatch.setattr(kernel_choice, "_CHOICES", {})
+    kernel_choice.forget(machine=False)
     fresh.clear()
     assert not kernel_choice.fastest_backend(*SHAPE, "cpu").remembered and fresh
     assert not (tmp_path / "cache").exists()

@@ -224,7 +224,7 @@ def test_the_row_probe_is_not_priced_into_a_round(prompt, monkeypatch):
         probes[0] += 1000
         return probe(linear, rows)
     monkeypatch.setattr(exact_rows, "batch_invariant", costly_probe)
-    monkeypatch.setattr(exact_rows, "_BATCH_INVARIANT", {})  # probe again, as a fresh process does
+    exact_rows.forget_probes()  # probe again, as a fresh process does
     out = timed_lossless(model, prompt, lambda: passes[0] + probes[0])
     assert torch.equal(out.sequences, reference.sequences)
     assert probes[0] > 0 and out.cache.drafts.rounds
@@ -371,7 +371,7 @@ def test_generate_refuses_lossless_without_the_river(capsys):
 ])
 def test_bench_lossless_benches_the_default_drafts_unless_told(arguments, expected):
     from river_hf.cli import build_parser
-    from river_hf.cli.commands.bench import _lossless_signal_taus
+    from river_hf.cli.commands.bench import lossless_signal_taus
 
     args = build_parser().parse_args(["bench", "--lossless", "8", *arguments])
-    assert _lossless_signal_taus(args) == expected
+    assert lossless_signal_taus(args) == expected

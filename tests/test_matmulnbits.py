@@ -16,7 +16,8 @@ from torch import nn
 import river_hf
 from river_hf import RiverQuantConfig
 from river_hf.kernels import matmulnbits as ort_kernel
-from river_hf.kernels.choice import candidates, machine_identity
+from river_hf.kernels.choice import candidates
+from river_hf.kernels.machine import machine_identity
 from river_hf.kernels.registry import KERNELS, dequantize, runs
 from river_hf.kernels.quantize import RiverQuantLinear, resolve_backend
 
@@ -182,7 +183,7 @@ def test_a_build_on_it_says_how_to_stop_openmp_spinning_unless_set(monkeypatch, 
         monkeypatch.delenv(name, raising=False)
     if variable is not None:
         monkeypatch.setenv(variable, "10000" if variable == "GOMP_SPINCOUNT" else "PASSIVE")
-    monkeypatch.setattr(ort_kernel, "_torch_threads", lambda: 2)
+    monkeypatch.setattr(ort_kernel, "torch_threads", lambda: 2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         river_of(tiny_model("llama"), nbits=4, group_size=GROUP, quantize_lm_head=False, activations="int8",

@@ -157,7 +157,7 @@ def test_disk_weights_are_memory_mapped_while_a_step_runs(tmp_path):
 def test_cpu_store_logic_on_cpu(monkeypatch, prompt_ids):
     """to='cpu' is for CUDA models; with its device check lifted, its store (CPU tensors behind the same hooks)
     runs here: exact outputs and an exact undo. (The CUDA path itself never ran in these tests.)"""
-    monkeypatch.setattr(river_hf.offload.backbone, "_check_destination", lambda to, device: None)
+    monkeypatch.setattr(river_hf.offload.backbone, "check_destination", lambda to, device: None)
     model = river_of(tiny_model("llama"))
     expected, original = generate(model, prompt_ids, **MIXED), linear_weights(model)
     offload_backbone(model, layers=RIVER_LAYERS, to="cpu")

@@ -34,7 +34,7 @@ def build(model, stored_twins=None, **config):
 def without_hqq(build_it):
     """`build_it()` with HQQ made to fail: nothing may be quantized from scratch."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(quantize, "_hqq_quantize", lambda *a, **k: pytest.fail("HQQ ran: a twin was built from scratch"))
+        patch.setattr(quantize, "hqq_quantize", lambda *a, **k: pytest.fail("HQQ ran: a twin was built from scratch"))
         return build_it()
 
 

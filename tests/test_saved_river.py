@@ -32,7 +32,7 @@ MIXED_SCHEDULE = dict(nbits=[8, 4, 3, 4], start_layer=START, quantize_lm_head=Tr
 def without_hqq(load, *args, **kwargs):
     """`load(*args, **kwargs)` with HQQ made to fail: nothing may be quantized from scratch."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(quantize, "_hqq_quantize", lambda *a, **k: pytest.fail("HQQ ran: a twin was built from scratch"))
+        patch.setattr(quantize, "hqq_quantize", lambda *a, **k: pytest.fail("HQQ ran: a twin was built from scratch"))
         return load(*args, **kwargs)
 
 

@@ -35,7 +35,7 @@ def load(path):
 def refuse_hqq(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("HQQ ran although the twins were kept")
-    monkeypatch.setattr(quantize, "_hqq_quantize", refuse)
+    monkeypatch.setattr(quantize, "hqq_quantize", refuse)
 
 
 def exited_tokens(model):

@@ -99,7 +99,7 @@ def child(kind: str, folder: str, backend: str) -> None:
     if kind == "saved":
         def refuse(*args, **kw):
             raise RuntimeError("HQQ ran during a saved river's load")
-        quantize._hqq_quantize = refuse
+        quantize.hqq_quantize = refuse
     # transformers imports a model's modeling code (most of it modeling_utils, ~0.5 s) on the first from_pretrained of
     # a process: imported here, before the clock, for every kind alike, so that only the load's own work is timed
     # (whatever `import river_hf` happens to import)
@@ -147,7 +147,7 @@ def main(argv=None) -> dict:
         return {}
     import torch
 
-    from river_hf.kernels.choice import cpu_description
+    from river_hf.kernels.machine import cpu_description
 
     folder = args.folder or tempfile.mkdtemp(prefix="river-load-time-")
     user_cache = os.environ.get(CACHE_ENV)

@@ -224,9 +224,9 @@ def scaling_figure(records: list[dict]) -> Figure:
     axes = figure.subplots(1, len(by_capability), squeeze=False)[0]
     for ax, (machine, group) in zip(axes, sorted(by_capability.items())):
         group = sorted(group, key=_parameters)
-        names = list(dict.fromkeys(_line(r, s) for r in group for s in r["systems"] if s["kind"] != "backbone"))
+        names = list(dict.fromkeys(plot_line(r, s) for r in group for s in r["systems"] if s["kind"] != "backbone"))
         for name, color in zip(names, SCALING_COLORS * (len(names) // len(SCALING_COLORS) + 1)):
-            points = [(_parameters(r), s["summary"]) for r in group for s in r["systems"] if _line(r, s) == name]
+            points = [(_parameters(r), s["summary"]) for r in group for s in r["systems"] if plot_line(r, s) == name]
             xs = [x for x, _ in points]
             ax.plot(xs, [sm["speed_ratio"] for _, sm in points], marker="o", color=color, label=name)
             limits = [sm.get("byte_ratio") for _, sm in points]
@@ -245,7 +245,7 @@ def scaling_figure(records: list[dict]) -> Figure:
     return figure
 
 
-def _line(record: dict, system: dict) -> str:
+def plot_line(record: dict, system: dict) -> str:
     """The line a system belongs to: its name; random routing's also names the twins it exits onto (the last build
     of its record), since records of other twin builds route randomly too."""
     builds = list((record.get("random_model") or {}).get("twin_builds") or [])

@@ -26,7 +26,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from ..kernels import choice as kernel_choice, matmulnbits as ort_kernel
+from ..kernels import choice as kernel_choice, machine, matmulnbits as ort_kernel
 from ..loading.models import build_chat_inputs
 from ..core.twins import river_layers
 from ..core.build import is_river
@@ -232,7 +232,7 @@ def environment() -> dict:
             "transformers": transformers.__version__, "hqq": _version("hqq"), "river_hf": _version("river-hf"),
             "onnxruntime": _version("onnxruntime"),
             "openmp": {name: os.environ[name] for name in OPENMP_VARIABLES if name in os.environ},
-            **kernel_choice.cpu_description(),
+            **machine.cpu_description(),
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 

@@ -74,6 +74,12 @@ def choose(shape: tuple[int, int], device: torch.device = torch.device("cpu")) -
     return _CHOICES[key]
 
 
+def forget() -> None:
+    """Drop this process's dtype choices (what a new process starts with); the machine's remembered ones stay, in
+    `kernels.choice`'s store (`choice.forget()` drops those)."""
+    _CHOICES.clear()
+
+
 def measured_choices() -> list[DtypeChoice]:
     return list(_CHOICES.values())
 

@@ -37,13 +37,13 @@ import torch
 
 from .registry import KERNELS, PREFERRED_BACKENDS, cast, int4_kernel_group, runs, shape_problem
 from ..cache_folder import CACHE_ENV, cache_root, write_json_atomically
+from .machine import last_level_cache_bytes, machine_identity
 
 TIE_MARGIN = 1.10  # another kernel must be this much faster than the preferred one to replace it
 ROUNDS, WARMUP_ROUNDS, MIN_ROUNDS = 15, 2, 3
 SECONDS_PER_SHAPE = 1.0  # past this (a busy machine, a huge layer), stop after MIN_ROUNDS timed rounds
 PREFILL_TOKENS = 128  # rows of the prefill-shaped timing (a typical chat prompt)
 MAX_COPIES = 64
-_FALLBACK_CACHE_BYTES = 32 << 20
 _CHOICES: dict[tuple, KernelChoice] = {}  # one measurement per process and key: a memo, not a switch
 STORE_VERSION = 1  # bump when what a timing means changes (rounds, shapes timed): older files are then ignored
 
@@ -92,21 +92,32 @@ def fastest_backend(nbits: int, group_size: int | None, out_features: int, in_fe
 
 def _measure(names: list[str], nbits: int, group_size: int | None, out_features: int, in_features: int,
              device: torch.device) -> KernelChoice:
-    timings = _time_candidates(names, nbits, group_size, out_features, in_features, device, rows=1)
+    timings = time_candidates(names, nbits, group_size, out_features, in_features, device, rows=1)
     backend = _pick(timings, nbits, device)
-    prefill = {"dense": timings["dense"]} if backend == "dense" else _time_candidates(
+    prefill = {"dense": timings["dense"]} if backend == "dense" else time_candidates(
         [backend, "dense"], nbits, group_size, out_features, in_features, device, rows=PREFILL_TOKENS)
     prefill.setdefault(backend, prefill["dense"])
     return KernelChoice(out_features, in_features, nbits, group_size, device.type, backend, timings, prefill)
 
 
-def forget() -> None:
-    """Drop every choice: this process's and this machine's remembered ones (the next build times again)."""
+def forget(machine: bool = True) -> None:
+    """Drop every choice this process made; with `machine` (the default) also the ones remembered on this machine, so
+    the next build times again. `forget(machine=False)` is what a new process on the same machine starts with."""
     _CHOICES.clear()
+    if not machine:
+        return
     for device in {torch.device("cpu")} | ({torch.device("cuda")} if torch.cuda.is_available() else set()):
-        path = _store_path(device)
+        path = store_path(device)
         if path is not None and os.path.isfile(path):
             os.remove(path)
+
+
+def keep(choice: KernelChoice, activations: str | None = None) -> None:
+    """Use `choice` in this process for its layer shape, as if measured here (a choice made elsewhere, or one a test
+    sets up): builds at that shape take it instead of timing."""
+    key = (choice.out_features, choice.in_features, choice.nbits, choice.group_size, choice.device,
+           torch.get_num_threads(), activations)
+    _CHOICES[key] = choice
 
 
 def lookup(out_features: int, in_features: int, nbits: int, backend: str, device) -> KernelChoice | None:
@@ -144,7 +155,7 @@ def _kernel_group(backend: str, group_size: int | None) -> int | None:
 
 
 @torch.inference_mode()
-def _time_candidates(names: list[str], nbits: int, group_size: int | None, out_features: int, in_features: int,
+def time_candidates(names: list[str], nbits: int, group_size: int | None, out_features: int, in_features: int,
                      device: torch.device, rows: int) -> dict[str, float]:
     """name -> median µs per call of x [rows, K] (bf16 in, bf16 out) times the weight, interleaved; rows=1 is a
     decode GEMV, timed cache-cold."""
@@ -205,18 +216,7 @@ def _copies(name: str, nbits: int, group_size: int | None, out_features: int, in
 def cache_cold_copies(nbytes: int) -> int:
     """How many copies of a `nbytes` weight overflow the last-level cache twice, so that cycling through them reads
     each from memory as a decode step does (at most MAX_COPIES; one where a weight alone overflows it)."""
-    return max(1, min(MAX_COPIES, -(-2 * _cache_bytes() // max(nbytes, 1))))
-
-
-def _cache_bytes() -> int:
-    """The last-level cache's size (Linux sysfs), or 32 MiB when it cannot be read."""
-    path = "/sys/devices/system/cpu/cpu0/cache/index3/size"
-    try:
-        with open(path) as file:
-            text = file.read().strip().upper()
-        return int(text.rstrip("KM")) << (20 if text.endswith("M") else 10)
-    except (OSError, ValueError):
-        return _FALLBACK_CACHE_BYTES
+    return max(1, min(MAX_COPIES, -(-2 * last_level_cache_bytes() // max(nbytes, 1))))
 
 
 def _synchronize(x: torch.Tensor) -> None:
@@ -224,56 +224,19 @@ def _synchronize(x: torch.Tensor) -> None:
         torch.cuda.synchronize(x.device)
 
 
-# The instruction sets a CPU kernel's speed turns on. torch's capability names only its dispatch (an AMX or
-# AVX512_BF16 CPU reports "AVX512", and ATEN_CPU_CAPABILITY=avx2 makes it report "AVX2"), so records name these too.
-ISA_FEATURES = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-                "amx_int8")
-
-
-def cpu_features(cpuinfo: str) -> list[str]:
-    """The ISA_FEATURES among the `flags` of a /proc/cpuinfo text, in ISA_FEATURES' order."""
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return [feature for feature in ISA_FEATURES if feature in flags]
-
-
-def cpu_description() -> dict:
-    """What a kernel timing depends on: the CPU model, torch's CPU capability (its dispatch), the CPU's own
-    instruction sets (`cpu_features`; None where /proc/cpuinfo is not readable), threads."""
-    try:
-        with open("/proc/cpuinfo") as file:
-            cpuinfo = file.read()
-    except OSError:
-        cpuinfo = None
-    model = None if cpuinfo is None else next(
-        (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), None)
-    return {"cpu_model": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cpu_features": None if cpuinfo is None else cpu_features(cpuinfo),
-            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
-
-
 # ---------------------------------------------------------------- remembered choices, per machine
 
 
-def machine_identity(device: torch.device) -> dict:
-    """Everything a kernel timing depends on besides the layer's shape and the thread count."""
-    device = torch.device(device)
-    # The kernels this install can run (one whose package is installed later makes the earlier choices stale)
-    kernels = sorted(name for name, kernel in KERNELS.items() if kernel.available())
-    identity = {"store_version": STORE_VERSION, "torch": torch.__version__, "kernels": kernels,
-                "device": device.type}
-    if device.type == "cuda":
-        identity["gpu"] = torch.cuda.get_device_name(device)
-    else:
-        cpu = cpu_description()
-        identity.update(cpu_model=cpu["cpu_model"], cpu_capability=cpu["cpu_capability"])
-    return identity
+def store_identity(device: torch.device) -> dict:
+    """What the store of measurements is keyed by: this machine (`machine.machine_identity`) and the store's format."""
+    return {"store_version": STORE_VERSION, **machine_identity(device)}
 
 
-def _store_path(device: torch.device) -> str | None:
+def store_path(device: torch.device) -> str | None:
     root = cache_root()
     if root is None:
         return None
-    key = hashlib.sha256(json.dumps(machine_identity(device), sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps(store_identity(device), sort_keys=True).encode()).hexdigest()[:16]
     return os.path.join(root, "kernel_choices", f"{key}.json")
 
 
@@ -314,19 +277,19 @@ def _remember(key: tuple, choice: KernelChoice, device: torch.device) -> None:
 
 def remembered_entry(entry_key: str, device: torch.device) -> dict | None:
     """What an earlier process on this machine stored under `entry_key` (a kernel choice, the backbone's dtype)."""
-    entry = _read_store(_store_path(device)).get(entry_key)
+    entry = _read_store(store_path(device)).get(entry_key)
     return entry if isinstance(entry, dict) else None
 
 
 def remember_entry(entry_key: str, entry: dict, device: torch.device) -> None:
     """Store `entry` in this machine's file of measurements (nothing, with the cache off)."""
-    path = _store_path(device)
+    path = store_path(device)
     if path is None:
         return
     choices = _read_store(path)
     choices[entry_key] = entry
     try:
-        write_json_atomically(path, {"machine": machine_identity(device), "choices": choices})
+        write_json_atomically(path, {"machine": store_identity(device), "choices": choices})
     except OSError as error:  # remembering is an optimisation: the choice made is still good
         warnings.warn(f"river_hf: could not remember the measured kernel choices in {path!r} ({error}); the next "
                       f"build times them again. Set {CACHE_ENV} to a writable folder, or {CACHE_ENV}=off.",

@@ -44,7 +44,7 @@ OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 def warn_if_openmp_spins() -> None:
     """Say once, where twins run on this kernel with more than one thread, that torch's OpenMP threads spin by
     default and how to stop it (measured in docs/activations.md)."""
-    if _torch_threads() > 1 and not any(name in os.environ for name in OPENMP_WAIT_VARIABLES):
+    if torch_threads() > 1 and not any(name in os.environ for name in OPENMP_WAIT_VARIABLES):
         warnings.warn("river_hf: some twins run on 'matmulnbits_cpu' (ONNX Runtime), whose second thread shares a "
                       "core with torch's OpenMP threads while they spin after each parallel region. Export "
                       "GOMP_SPINCOUNT=10000 before starting Python: at Llama-3.2-1B's shape on a 2-core AVX2 CPU "
@@ -52,7 +52,7 @@ def warn_if_openmp_spins() -> None:
                       "(docs/activations.md).", UserWarning, stacklevel=3)
 
 
-def _torch_threads() -> int:
+def torch_threads() -> int:
     return torch.get_num_threads()
 
 

@@ -54,7 +54,7 @@ def plain_rounding():
 
 
 @torch.no_grad()
-def _hqq_quantize(weight: torch.Tensor, nbits: int, group_size: int | None):
+def hqq_quantize(weight: torch.Tensor, nbits: int, group_size: int | None):
     """weight: [N, K] -> codes uint8 [N, K] in 0..2^nbits-1, scale and zero float32 [N, G] (G = K // group_size)."""
     # bitpack=False keeps one code per element; axis=1 makes the groups consecutive runs inside a row, the layout
     # every kernel here expects.
@@ -284,7 +284,7 @@ class RiverQuantLinear(nn.Module):
         _check_layer(linear, nbits, group_size, axis)
         check_choice("activations", activations, ACTIVATIONS)
         backend, group_size = _fit_layer(backend, nbits, group_size, linear.weight, activations)
-        codes, scale, zero = _hqq_quantize(linear.weight, nbits, group_size)
+        codes, scale, zero = hqq_quantize(linear.weight, nbits, group_size)
         buffers = {"scale": scale, "zero": zero, **KERNELS[backend].pack(codes, scale, zero, group_size, nbits)}
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(linear.in_features, linear.out_features, nbits, group_size, backend, buffers, bias)

@@ -95,13 +95,13 @@ def load_model_and_tokenizer(model: str | None = None, gguf_file: str | None = N
     """
     path, gguf_file = resolve_model_path(model, gguf_file)
     if gguf_file is None:
-        loaded, tokenizer = _load_pretrained(path, dtype)
+        loaded, tokenizer = load_pretrained(path, dtype)
     else:
         loaded, tokenizer = _load_gguf(path, gguf_file, dtype)
     return loaded.to(device).eval(), tokenizer
 
 
-def _load_pretrained(path: str, dtype, **kwargs):
+def load_pretrained(path: str, dtype, **kwargs):
     tokenizer = AutoTokenizer.from_pretrained(path, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs), tokenizer
 
@@ -111,10 +111,10 @@ def _load_gguf(path: str, gguf_file: str, dtype):
     local_file = gguf_file if os.path.isabs(gguf_file) else os.path.join(path, gguf_file)
     folder = gguf_cache.cached_folder(local_file, dtype)
     if gguf_cache.is_complete(folder):
-        return _load_pretrained(folder, dtype)
+        return load_pretrained(folder, dtype)
     # Asked for explicitly: with the `kernels` package installed, transformers would otherwise keep the weights
     # packed in GgufLinear modules, which a river cannot quantize (build_river refuses them).
-    loaded, tokenizer = _load_pretrained(path, dtype, gguf_file=gguf_file,
+    loaded, tokenizer = load_pretrained(path, dtype, gguf_file=gguf_file,
                                          quantization_config=GgufConfig(dequantize=True))
     if folder is not None:
         # Saved without the GGUF quantization config: the folder is a plain checkpoint of the dequantized weights.

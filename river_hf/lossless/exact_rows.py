@@ -100,6 +100,16 @@ PROBE_OUTPUTS = 1 << 18
 MAX_PROBES = 64
 
 
+def probed_shapes() -> int:
+    """How many (shape, dtype, device, bias, rows, threads) keys this process has probed."""
+    return len(_BATCH_INVARIANT)
+
+
+def forget_probes() -> None:
+    """Drop this process's probe results: the next `batch_invariant` call at each key probes again."""
+    _BATCH_INVARIANT.clear()
+
+
 def batch_invariant(linear: nn.Linear, rows: int) -> bool:
     """Does `linear` give a `rows`-row input the same bits as `rows` one-row inputs on this machine? Probed once per
     shape, dtype, device, bias, row count and thread count (the kernel a matmul takes depends on these, not on the

@@ -136,7 +136,7 @@ def offload_backbone(model: nn.Module, layers="auto", to: str = "disk", folder: 
         return model  # "auto" found no layer rare enough (choose_layers warned)
     plan = offload_plan(model, wrapped, indices)
     device = _execution_device(plan)
-    _check_destination(to, device)
+    check_destination(to, device)
     store = OffloadStore(to, device, indices, _new_folder(folder) if to == "disk" else None)
     attached = []
     try:
@@ -247,7 +247,7 @@ def _execution_device(plan) -> torch.device:
     return devices.pop()
 
 
-def _check_destination(to: str, device: torch.device) -> None:
+def check_destination(to: str, device: torch.device) -> None:
     if to == "cpu" and device.type == "cpu":
         raise ValueError(f"`to`='cpu': the model runs on {device}, so its weights already are in CPU memory and "
                          f"nothing would leave the device. On CPU use to='disk' (memory-mapped safetensors files).")

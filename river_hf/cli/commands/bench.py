@@ -115,7 +115,7 @@ def _add_lossless_args(parser: argparse.ArgumentParser) -> None:
                             "split.")
 
 
-def _lossless_signal_taus(args: argparse.Namespace) -> list[tuple[str, float]]:
+def lossless_signal_taus(args: argparse.Namespace) -> list[tuple[str, float]]:
     from ...core.settings import LOSSLESS_AUTO_TAU, RiverSettings
 
     if args.signals:
@@ -134,7 +134,7 @@ def _run_lossless(args: argparse.Namespace, quant_config, settings, output) -> i
 
     if args.random_model is not None or args.strategies:
         raise CLIError("--lossless runs its own systems: no --random-model or --strategies with it.")
-    signal_taus = _lossless_signal_taus(args)
+    signal_taus = lossless_signal_taus(args)
     prompt_set = common.load_prompts(args, settings.prompts)
     model_id, started = common.model_id(args), environment()
     model, tokenizer = common.load(args)

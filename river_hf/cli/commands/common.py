@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from ...kernels import backbone_dtype, choice as kernel_choice
+from ...kernels import backbone_dtype, choice as kernel_choice, machine
 from ...core.config import AUTO_NBITS, RiverQuantConfig, bits_label
 from ...core.generation import RiverConfig
 from ...loading.models import load_model_and_tokenizer
@@ -188,7 +188,7 @@ def measured_dtype(config, device: str) -> torch.dtype:
     except ValueError as error:  # a config without hidden_size: nothing to time, bf16 stays
         print(f"backbone dtype: bfloat16, not measured ({error})", file=sys.stderr)
         return torch.bfloat16
-    print(f"backbone dtype, measured ({kernel_choice.cpu_description()['cpu_capability']}): {choice.describe()}",
+    print(f"backbone dtype, measured ({machine.cpu_description()['cpu_capability']}): {choice.describe()}",
           file=sys.stderr)
     return choice.torch_dtype
 
@@ -255,7 +255,7 @@ def build(model, quant_config: RiverQuantConfig):
     with user_errors():  # e.g. --start-layer beyond the model's depth
         model = build_river_cached(model, quant_config)  # the twins of an earlier run, when they fit
     for choice in kernel_choice.measured_choices():
-        print(f"  kernel, measured ({kernel_choice.cpu_description()['cpu_capability']}): {choice.describe()}",
+        print(f"  kernel, measured ({machine.cpu_description()['cpu_capability']}): {choice.describe()}",
               file=sys.stderr)
     return model
 
