@@ -13,6 +13,7 @@ import river_hf
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from river_hf import RiverConfig, RiverSettings
+from river_hf.core.twins import get_river
 from river_hf.lossless import exact_rows
 from river_hf.lossless.acceptance import greedy_accept, speculative_accept
 from river_hf.lossless.draft_control import BACKBONE_CHOSE, MIN_ROUNDS, PROBE_STEPS
@@ -102,7 +103,7 @@ def test_auto_tau_drafts_every_token_from_the_start_layer(prompt):
     assert torch.equal(out.sequences, reference.sequences)
     kept_drafts = [depth for depth in out.cache.drafts.draft_depth if depth != BACKBONE_CHOSE]
     assert kept_drafts and set(kept_drafts) == {START}  # the explicit tau=-1, not a measured signal default
-    assert getattr(river_hf.river_layers(model)[0], "exit_gain", None) is None  # no exit-gain timing first
+    assert get_river(model).exit_gain is None  # no exit-gain timing first
 
 
 @pytest.mark.parametrize("new_tokens", [1, 2, 3, 6, 7])

@@ -13,6 +13,7 @@ from transformers.utils.hub import PushToHubMixin
 
 import river_hf
 from river_hf import RiverQuantConfig
+from river_hf.core.twins import get_river
 from river_hf.saving.twin_files import TWINS_FILE, StoredTwins
 
 from conftest import tiny_model
@@ -76,7 +77,7 @@ def test_push_to_hub_of_a_build_river_model_uploads_twins_only_when_asked(tmp_pa
     model.push_to_hub("someone/with-twins", save_twins=True)
     (_, plain), (_, with_twins) = uploads
     assert TWINS_FILE not in plain and isinstance(with_twins[TWINS_FILE], StoredTwins)
-    assert not hasattr(model, "_river_pushing_twins")  # nothing left behind on the model
+    assert get_river(model).pushing_twins is None  # the next save_pretrained is not told to save twins
 
 
 def test_save_pretrained_with_push_to_hub_uploads_after_the_twins_are_written(tmp_path, uploads):

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import river_hf
-from river_hf import RiverSettings
+from river_hf import RiverQuantConfig, RiverSettings
+from river_hf.core.river import River
+from river_hf.core.twins import get_river
 from river_hf.core.exit_decision import ExitRouter
 from river_hf.core.signals import (Cosine, CosineAtOneLayer, PreviousConfidence, RandomExit, UpdateNorm, make_signal,
     signal_names, sequence_update_norm, token_update_norm)
@@ -312,5 +314,20 @@ def test_confidence_end_to_end_exits_exactly_after_confident_steps(prompt_ids):
 def test_remove_river_removes_the_pass_hooks(prompt_ids):
     model = river_of(tiny_model(), start_layer=START)
     assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    assert len(get_river(model).pass_hooks) == 2
     river_hf.remove_river(model)
     assert len(model._forward_pre_hooks) == 0 and len(model._forward_hooks) == 0
+
+
+def test_one_river_object_per_river_shared_by_its_layers_and_made_afresh_by_a_rebuild():
+    """River-wide state lives in one `River` (core.river), not on a layer or the HF model: every RiverLayer of a
+    river holds the same one; what it learned (ExitGain, lossless verdicts) goes with remove_river."""
+    model = river_of(tiny_model(), start_layer=START)
+    river = get_river(model)
+    assert all(layer.river is river for layer in river_hf.river_layers(model))
+    river.exit_gain = "measured"
+    river_hf.remove_river(model)
+    rebuilt = river_hf.build_river(model, RiverQuantConfig(start_layer=START, nbits=4, group_size=32),
+                                   progress=False)
+    assert get_river(rebuilt) is not river and get_river(rebuilt).exit_gain is None
+    assert not any(isinstance(value, River) for value in vars(rebuilt).values())  # nothing hung on the HF model

@@ -19,8 +19,7 @@ from transformers import CompileConfig, GenerationConfig
 
 from ..core.architectures import find_decoder_layers
 from ..core.config import bits_label
-from ..core.auto_tau import auto_settings
-from ..core.generation import RiverConfig, measure_river_exit_gain
+from ..core.generation import RiverConfig, resolve_auto_tau
 from ..core.twins import RiverLayer, river_layers, twin_linears
 from ..core.build import is_river
 from ..core.settings import RiverSettings
@@ -211,8 +210,7 @@ def defaults_system(river_model: nn.Module, fixed: dict) -> System:
     """What `generate(generation_config=RiverConfig())` runs on this machine: tau 'auto' resolved here, once (it
     measures the river's ExitGain): the default signal at its default tau, or the plain backbone where exiting does
     not pay."""
-    settings = auto_settings(RiverSettings(), river_layers(river_model),
-                             lambda: measure_river_exit_gain(river_model))
+    settings = resolve_auto_tau(river_model, RiverSettings())
     if settings is None:
         return System("defaults (exiting does not pay here: the backbone)", "defaults", GenerationConfig(**fixed))
     return System(f"defaults ({river_name(settings.tau, settings.exit_signal)})", "defaults",

@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from .kv_cache import RiverCache
+from .river import River
 
 from .settings import DEFAULT_TAUS, LOSSLESS_AUTO_TAU, RiverSettings
 from .signals import reads_tau
@@ -60,7 +61,7 @@ class ExitGain:
                 f"{self.device})")
 
 
-def auto_settings(settings: RiverSettings, layers, measure) -> RiverSettings | None:
+def auto_settings(settings: RiverSettings, river: River, measure) -> RiverSettings | None:
     """For tau="auto": `settings` with the signal's default tau where this river's exits pay on this machine, else
     None (run the plain backbone; warns once per river). `measure()` -> ExitGain runs once per river. Lossless
     settings get LOSSLESS_AUTO_TAU, unmeasured."""
@@ -68,9 +69,9 @@ def auto_settings(settings: RiverSettings, layers, measure) -> RiverSettings | N
         return dataclasses.replace(settings, tau=NEVER_EXITS)
     if settings.lossless:  # drafts leave at once; the fallback, not an exit-gain timing, judges this machine
         return dataclasses.replace(settings, tau=LOSSLESS_AUTO_TAU)
-    gain = exit_gain(layers, measure)
+    gain = exit_gain(river, measure)
     if not gain.pays:
-        _warn_once(layers[0], gain)
+        _warn_once(river, gain)
         return None
     return dataclasses.replace(settings, tau=default_tau(settings.exit_signal))
 
@@ -82,14 +83,12 @@ def default_tau(exit_signal: str) -> float:
     return DEFAULT_TAUS[exit_signal]
 
 
-def exit_gain(layers, measure) -> ExitGain:
-    """This river's ExitGain, measured on first use (`measure()`) and kept on its first RiverLayer: how the river
-    runs on this machine belongs with how it was built."""
-    gain = getattr(layers[0], "exit_gain", None)
-    if gain is None:
-        gain = measure()
-        layers[0].exit_gain = gain
-    return gain
+def exit_gain(river: River, measure) -> ExitGain:
+    """This river's ExitGain, measured on first use (`measure()`) and kept in its `River`: how the river runs on this
+    machine belongs with how it was built, and a rebuilt river measures again."""
+    if river.exit_gain is None:
+        river.exit_gain = measure()
+    return river.exit_gain
 
 
 @torch.no_grad()
@@ -130,10 +129,10 @@ def _timed_step(model, inputs: dict, device, clock) -> float:
     return clock() - begin
 
 
-def _warn_once(layer, gain: ExitGain) -> None:
-    if getattr(layer, "exit_gain_warned", False):
+def _warn_once(river: River, gain: ExitGain) -> None:
+    if river.exit_gain_warned:
         return
-    layer.exit_gain_warned = True
+    river.exit_gain_warned = True
     warnings.warn(f"river_hf: on this machine {gain.describe()}, so exiting does not pay: with tau='auto' nothing "
                   f"exits and generate runs the plain backbone. Pass a number as `tau` (e.g. tau=0.3 with the "
                   f"confidence signal) to exit anyway.", stacklevel=4)

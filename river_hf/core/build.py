@@ -17,7 +17,8 @@ from .config import RiverQuantConfig
 from .freed_memory import release_freed_memory
 from .generation import RiverGenerationMixin
 from ..kernels import matmulnbits as ort_kernel
-from .twins import AdapterLoadingMixin, AdapterSavingMixin, RiverLayer, make_twin, twin_linears
+from .river import River
+from .twins import AdapterLoadingMixin, AdapterSavingMixin, RiverLayer, make_twin, get_river, twin_linears
 from .lm_head import RiverLMHead, install_lm_head, remove_lm_head
 from ..offload.backbone import reload_backbone
 from .current_pass import hook_passes
@@ -57,8 +58,9 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
     stored = read_stored_twins(stored_twins)  # a corrupted file raises here, before the model is touched
     lm_head = _quantized_lm_head(model, quant_config, stored) if quant_config.quantize_lm_head else None
     from_store = stored.twins(layers, quant_config, progress) if stored is not None else {}
+    river = River()  # river-wide state, shared by every RiverLayer of this river
     wrapped = [RiverLayer(layer, from_store.get(idx), layer_idx=idx, num_layers=len(layers),
-                          quant_config=quant_config) for idx, layer in enumerate(layers)]
+                          quant_config=quant_config, river=river) for idx, layer in enumerate(layers)]
     to_quantize = [idx for idx in range(quant_config.start_layer, len(layers)) if idx not in from_store]
     for idx in tqdm(to_quantize, desc="river: quantizing twins", disable=not progress or not to_quantize,
                     leave=False):  # no bar when every twin came from the store: nothing is quantized
@@ -72,7 +74,7 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
         layers[idx] = layer
     if lm_head is not None:
         install_lm_head(model, lm_head)
-    wrapped[0].pass_hooks = hook_passes(model)
+    river.pass_hooks = hook_passes(model)
     model.__class__ = _river_class(type(model))
     return model
 
@@ -123,11 +125,11 @@ def remove_river(model: nn.Module) -> nn.Module:
     if not is_river(model):
         raise ValueError("This model has no river to remove (river_hf.build_river was not applied to it).")
     reload_backbone(model)  # offloaded backbone weights first come back, exactly (a no-op when none are offloaded)
+    for hook in get_river(model).pass_hooks:
+        hook.remove()
     layers = find_decoder_layers(model)
     for idx, layer in enumerate(layers):
         if isinstance(layer, RiverLayer):
-            for hook in layer.pass_hooks:
-                hook.remove()
             layers[idx] = layer.base_layer
     remove_lm_head(model)
     model.__class__ = model.__class__._river_base_class

@@ -20,7 +20,7 @@ from .kv_cache import ExitRecord, RiverCache
 from .captured_decode import (STATIC_IMPLEMENTATIONS, CapturedDecode, check_passed_static_cache, check_static_river,
     requested_setting, static_cache_settings, static_river_cache)
 from .config import RiverQuantConfig
-from .twins import backbone_layers, river_layers, twins_prefill_faster
+from .twins import backbone_layers, river_layers, get_river, twins_prefill_faster
 from .lm_head import original_lm_head
 from .auto_tau import FULL_EXIT, NEVER_EXITS, ExitGain, auto_settings, measure_exit_gain
 from ..lossless.decode import LosslessCache, lossless_generate_kwargs
@@ -127,7 +127,7 @@ class RiverGenerationMixin:
         settings = river_settings_from(generation_config, kwargs, model_default=self.generation_config)
         # None where exiting does not pay on this machine
         if settings is not None and settings.tau == AUTO_TAU:
-            resolved = auto_settings(settings, river_layers(self), lambda: measure_river_exit_gain(self))
+            resolved = resolve_auto_tau(self, settings)
             # a RiverCache the caller passed still gets its exit record (every step at full depth)
             passed_cache = isinstance(kwargs.get("cache", kwargs.get("past_key_values")), ExitRecord)
             settings = dataclasses.replace(settings, tau=NEVER_EXITS) if resolved is None and passed_cache else resolved
@@ -170,7 +170,7 @@ class RiverGenerationMixin:
         RiverQuantConfig anyway (a model loaded with `quantization_config=RiverQuantConfig(...)`), whose folder loads
         as a river; a river made with `build_river` saves the plain backbone, as before. A save without twins removes
         an old twins file from the folder."""
-        save_twins = getattr(self, "_river_pushing_twins", None) if save_twins is None else save_twins
+        save_twins = get_river(self).pushing_twins if save_twins is None else save_twins
         save_twins = self._saves_twins_by_default() if save_twins is None else save_twins
         if not isinstance(save_twins, bool):
             raise ValueError(f"`save_twins` must be True, False or None (the default); got {save_twins!r}.")
@@ -193,11 +193,12 @@ class RiverGenerationMixin:
     def push_to_hub(self, repo_id: str, *args, save_twins: bool | None = None, **kwargs):
         """transformers' `push_to_hub`, whose upload holds the twins file when `save_twins` (or the default of
         `save_pretrained`: a model loaded with a RiverQuantConfig) says to save them."""
-        self._river_pushing_twins = save_twins  # push_to_hub calls save_pretrained without our arguments
+        river = get_river(self)
+        river.pushing_twins = save_twins  # push_to_hub calls save_pretrained without our arguments
         try:
             return super().push_to_hub(repo_id, *args, **kwargs)
         finally:
-            del self._river_pushing_twins
+            river.pushing_twins = None
 
     def _saves_twins_by_default(self) -> bool:
         return isinstance(getattr(self.config, "quantization_config", None), RiverQuantConfig)
@@ -242,7 +243,7 @@ def new_river_cache(model, settings: RiverSettings, attention_mask=None, cache: 
     """A RiverCache with a fresh router for `model` (for generate, or for driving the model's forward yourself)."""
     layers = river_layers(model)
     if settings.tau == AUTO_TAU:  # driving the forward yourself: where exiting does not pay, nothing exits
-        measured = auto_settings(settings, layers, lambda: measure_river_exit_gain(model))
+        measured = resolve_auto_tau(model, settings)
         settings = measured or dataclasses.replace(settings, tau=NEVER_EXITS)
     text_config = model.config.get_text_config(decoder=True)
     strategy = make_strategy(settings.kv_strategy, layers, text_config)
@@ -258,6 +259,13 @@ def new_river_cache(model, settings: RiverSettings, attention_mask=None, cache: 
         cache = RiverCache(config=text_config, num_layers=len(layers))
     cache.router, cache.num_layers, cache.strategy = router, len(layers), strategy
     return cache
+
+
+def resolve_auto_tau(model, settings: RiverSettings) -> RiverSettings | None:
+    """tau="auto" resolved for `model`'s river, the one place it is (generate, new_river_cache and the bench's
+    defaults system call this): the signal's default tau where this river's exits pay on this machine, else None (the
+    plain backbone). The river's ExitGain is measured on the first call and kept in its `River`."""
+    return auto_settings(settings, get_river(model), lambda: measure_river_exit_gain(model))
 
 
 def measure_river_exit_gain(model) -> ExitGain:

@@ -20,6 +20,7 @@ from .current_pass import river_cache_of
 from ..kernels.choice import lookup
 from ..kernels.quantize import RiverQuantLinear
 from .kv_strategies import RiverStrategy
+from .river import River
 
 _RIVER = RiverStrategy([])  # a RiverCache made by hand, with a router but no strategy, runs the river
 
@@ -28,7 +29,7 @@ class RiverLayer(nn.Module):
     """Dispatches one decoder layer to the backbone or its twin, as the step's `ExitRouter` decides."""
 
     def __init__(self, base_layer: nn.Module, twin: nn.Module | None, layer_idx: int, num_layers: int,
-                 quant_config=None):
+                 quant_config=None, river: River | None = None):
         super().__init__()
         self.base_layer = base_layer
         self.twin = twin
@@ -36,7 +37,7 @@ class RiverLayer(nn.Module):
         self.num_layers = num_layers
         self.quant_config = quant_config  # the RiverQuantConfig the twin was built with
         self.adapter_state = adapter_state(base_layer)  # peft adapters now: the twin is built from them (adapters.py)
-        self.pass_hooks: list = []  # layer 0 keeps the model-level hooks build_river installed (river_hf.core.current_pass)
+        self.river = river if river is not None else River()  # river-wide state, one object per river (core.river)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         cache = river_cache_of(kwargs)
@@ -166,6 +167,11 @@ def river_layers(model: nn.Module) -> list[RiverLayer]:
             "with `from_pretrained(..., quantization_config=RiverQuantConfig(...))`."
         )
     return layers
+
+
+def get_river(model: nn.Module) -> River:
+    """The model's `River` (its river-wide state); a clear error when the model has no river."""
+    return river_layers(model)[0].river
 
 
 def twin_linears(twin: nn.Module) -> list[RiverQuantLinear]:

@@ -31,7 +31,7 @@ from .acceptance import greedy_accept, speculative_accept
 from ..core.kv_cache import RiverCache
 from .draft_control import BACKBONE_CHOSE, DraftControl, DraftRecord, DraftRound, FallbackMemory
 from .exact_rows import ExactRows
-from ..core.twins import river_layers
+from ..core.twins import get_river
 
 
 class LosslessCache(RiverCache):
@@ -74,20 +74,15 @@ def lossless_decoding(model, input_ids, logits_processor, stopping_criteria, gen
     return decoder.output()
 
 
-_FALLBACK_MEMORIES = "lossless_fallbacks"  # the attribute of a river's first RiverLayer that holds them
-
-
 def fallback_memory(model, settings) -> FallbackMemory:
-    """The fallback verdicts of this river's earlier calls with the same river settings (kept on its first
-    RiverLayer, like the ExitGain: a rebuilt river starts afresh)."""
-    first = river_layers(model)[0]
-    memories = vars(first).setdefault(_FALLBACK_MEMORIES, {})
-    return memories.setdefault(settings, FallbackMemory())
+    """The fallback verdicts of this river's earlier calls with the same river settings (kept in its `River`, like
+    the ExitGain: a rebuilt river starts afresh)."""
+    return get_river(model).lossless_fallbacks.setdefault(settings, FallbackMemory())
 
 
 def forget_fallbacks(model) -> None:
     """Drop every fallback verdict and remembered t_plain of this river: its next lossless call probes afresh."""
-    vars(river_layers(model)[0]).pop(_FALLBACK_MEMORIES, None)
+    get_river(model).lossless_fallbacks.clear()
 
 
 def _check_call(input_ids, generation_config, cache, model_kwargs) -> None:
