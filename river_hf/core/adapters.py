@@ -32,7 +32,7 @@ REBUILD = "Rebuild the river: `river_hf.remove_river(model)`, then `river_hf.bui
 
 def tuner_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, layer) of every peft tuner layer (LoRA's `LoraLayer` and the others) inside `module`, outermost only."""
-    if "peft" not in sys.modules:
+    if sys.modules.get("peft") is None:  # not loaded (or known missing): no model here carries peft layers
         return []
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -44,7 +44,7 @@ def river_host(model: nn.Module) -> nn.Module:
     """The model a river is built on: a `PeftModel`'s river goes on the transformers model inside it, which runs
     `generate` and every forward pass (so the river's generate and its pass hooks are there); any other model is its
     own host."""
-    if "peft" not in sys.modules:
+    if sys.modules.get("peft") is None:  # not loaded (or known missing): no model here carries peft layers
         return model
     from peft import PeftModel
 

@@ -22,7 +22,7 @@ import torch
 from hqq.core.quantize import Quantizer
 from torch import nn
 
-from ..checks import check_choice
+from ..checks import check_choice, install_hint
 from .choice import fastest_backend
 from .registry import KERNELS, PREFERRED_BACKENDS, SUPPORTED_NBITS, cast, dequantize, runs, shape_problem
 
@@ -105,6 +105,9 @@ def resolve_backend(backend: str, nbits: int, device: torch.device, activations:
         if fast is None:
             _warn_slow(nbits, device, f"no fast kernel for {nbits}-bit weights on {device.type}")
         return fast or "hqq"
+    kernel = KERNELS[backend]
+    if kernel.requires and not kernel.available():
+        raise ValueError(f"`backend`={backend!r} {install_hint(*kernel.requires)}; or choose another backend.")
     if not runs(backend, nbits, device):
         usable = tuple(name for name in KERNELS if runs(name, nbits, device))
         raise ValueError(f"`backend`={backend!r} cannot run {nbits}-bit weights on {device.type}; "

@@ -227,6 +227,7 @@ class Kernel(NamedTuple):
     per_row: bool = False  # reads one (scale, zero) per output row: a group size is not used
     engines: tuple[str, ...] = ()  # the torch.backends.quantized.engine values it runs under (empty: any)
     available: Callable[[], bool] = lambda: True  # whether the packages it needs are installed
+    requires: tuple[str, str] | None = None  # (packages, river-hf extra) it needs, for the error when they are missing
     # Whether backend="auto" may take it without measuring (it is faster than the weight-only kernels at any shape)
     unmeasured_pick: bool = True
 
@@ -252,6 +253,7 @@ KERNELS = {
         device_type="cpu", nbits=(4, 8), ops=(), pack=ort_kernel.pack,
         matmul=lambda matmulnbits, group, x: matmulnbits(x), codes=ort_kernel.codes, activation_dtype=None,
         prepack=ort_kernel.prepack, quantizes_activations=True, available=ort_kernel.available,
+        requires=("onnxruntime and onnx", "ort"),
         unmeasured_pick=False),  # its per-call overhead makes it slower than torch's kernels at small shapes
     "dense": Kernel(
         device_type=None, nbits=SUPPORTED_NBITS, ops=(),

@@ -30,14 +30,18 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
-from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset, save_offload_index
+try:  # a declared dependency; should it be missing, river_hf still imports and offload_backbone says what to install
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
+    from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset, save_offload_index
+    ACCELERATE_MISSING = False
+except ModuleNotFoundError:
+    AlignDevicesHook, ACCELERATE_MISSING = object, True  # no hook of ours can exist: reload_backbone has nothing to do
 from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..core.architectures import find_decoder_layers
-from ..checks import check_choice
+from ..checks import check_choice, install_hint
 from ..core.config import OFFLOAD_DESTINATIONS
 from ..core.freed_memory import release_freed_memory
 from ..core.twins import RiverLayer, river_layers
@@ -126,6 +130,8 @@ def offload_backbone(model: nn.Module, layers="auto", to: str = "disk", folder: 
     $RIVER_HF_CACHE/offload or ~/.cache/river_hf/offload, a fresh subfolder per call) or "cpu" (CUDA models only).
     `progress`: a progress bar while the files are written. On any error nothing is left offloaded and no file is
     left behind."""
+    if ACCELERATE_MISSING:
+        raise ModuleNotFoundError(f"`offload_backbone` {install_hint('accelerate')}.")
     check_choice("to", to, OFFLOAD_DESTINATIONS)
     wrapped = river_layers(model)  # a clear error for a model without a river
     if offloaded_layers(model):

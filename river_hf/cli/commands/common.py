@@ -19,6 +19,7 @@ import torch
 from transformers import GenerationConfig
 
 from ...kernels import backbone_dtype, choice as kernel_choice, machine
+from ...checks import install_hint
 from ...core.config import AUTO_NBITS, RiverQuantConfig, bits_label
 from ...core.generation import RiverConfig
 from ...loading.models import load_model_and_tokenizer
@@ -43,7 +44,6 @@ def user_errors(prefix: str = ""):
 
 
 # ---- argument types ---------------------------------------------------------------------------------------------
-PLOTS_EXTRA = "pip install river-hf[bench]"
 
 
 def bench_plots():
@@ -54,7 +54,8 @@ def bench_plots():
     except ModuleNotFoundError as error:
         if error.name != "matplotlib":
             raise
-        print(f"plots skipped: they need matplotlib (`{PLOTS_EXTRA}`); the record is complete without them.",
+        print(f"plots skipped: drawing them {install_hint('matplotlib', 'bench')}; the record is complete without "
+              f"them.",
               file=sys.stderr)
         return None
     return plots

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from . import common
+from ...checks import install_hint
 from .common import CLIError
 
 
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as error:
         if error.name != "matplotlib":
             raise
-        raise CLIError(f"`river-hf plot` draws with matplotlib: `{common.PLOTS_EXTRA}`.") from None
+        raise CLIError(f"`river-hf plot` {install_hint('matplotlib', 'bench')}.") from None
     from ...bench.records import default_name
 
     output = common.output_path(args, default_name("plot", FIGURE_SUFFIX))
