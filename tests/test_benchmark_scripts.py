@@ -145,3 +145,17 @@ def test_shared_inputs_example_can_group_what_the_build_left_apart():
     result = load_script("shared_inputs").main(["--random-model", "tiny-test", "--backend", "auto", "--rounds", "1",
                                                  "--max-new-tokens", "3", "--group-everything"])
     assert result["forced_sets"] == 2 and "full-quant, every set grouped" in result["ms_per_token"]
+
+
+def test_context_length_script_times_matches_and_weighs_both_systems(saved_tiny_model, tmp_path, capsys):
+    record = load_script("context_length").main(["--model", str(saved_tiny_model), "--lengths", "16", "48",
+                                                 "--new-tokens", "4", "--rounds", "1", "--tau", "-1",
+                                                 "--output", str(tmp_path / "record.json")])
+    assert set(record["speed"]) == {16, 48}
+    for row in record["speed"].values():
+        assert row["backbone_tokens_per_s"] > 0 and row["river_tokens_per_s"] > 0 and 0 <= row["match"] <= 1
+        assert row["mean_exit_depth"] < 6  # tau=-1: every decoded token left the backbone at the start layer
+    memory = record["memory"]
+    assert memory["backbone"]["peak_bytes"] > 0 and memory["river"]["twin_bytes"] > 0
+    assert memory["river"]["kv_bytes"] > 0 and memory["river_peak_vs_backbone_plus_twins"] > 0
+    assert (tmp_path / "record.json").is_file() and "| 48 |" in capsys.readouterr().out
