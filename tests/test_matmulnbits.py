@@ -19,7 +19,8 @@ from river_hf.kernels import matmulnbits as ort_kernel
 from river_hf.kernels.choice import candidates
 from river_hf.kernels.machine import machine_identity
 from river_hf.kernels.registry import KERNELS, dequantize, runs
-from river_hf.kernels.quantize import RiverQuantLinear, resolve_backend
+from river_hf.kernels.backends import resolve_backend
+from river_hf.kernels.quantize import RiverQuantLinear
 
 from conftest import assert_full_quantization_is_exact, generate, river_of, tiny_model
 

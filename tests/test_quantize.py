@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from hqq.core.quantize import Quantizer
 from torch import nn
 
-from river_hf.kernels.quantize import (BACKENDS, SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS, RiverQuantLinear,
-    plain_rounding, resolve_backend)
+from river_hf.kernels.backends import BACKENDS, resolve_backend
+from river_hf.kernels.quantize import SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS, RiverQuantLinear, plain_rounding
 
 CPU = torch.device("cpu")
 IN, OUT = 256, 128  # OUT: a multiple of 16, as the int4 CPU kernel needs

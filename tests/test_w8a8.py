@@ -14,7 +14,8 @@ import river_hf
 from river_hf import RiverQuantConfig
 from river_hf.kernels.choice import candidates
 from river_hf.kernels.registry import runs
-from river_hf.kernels.quantize import RiverQuantLinear, resolve_backend
+from river_hf.kernels.backends import resolve_backend
+from river_hf.kernels.quantize import RiverQuantLinear
 
 from conftest import assert_full_quantization_is_exact, generate, river_of, tiny_model
 

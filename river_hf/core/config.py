@@ -19,7 +19,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..checks import check_choice, is_int
 from ..kernels.registry import KERNELS
-from ..kernels.quantize import ACTIVATIONS, BACKENDS, SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS, backend_nbits
+from ..kernels.backends import ACTIVATIONS, BACKENDS, backend_nbits
+from ..kernels.quantize import SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS
 
 RIVER_QUANT_METHOD = "river"
 PER_ROW_NBITS = 8  # schedule entries and LM heads of this many bits are quantized per row (the int8 kernel's layout)

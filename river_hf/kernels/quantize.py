@@ -4,17 +4,14 @@ Two steps, as in gpt-fast: HQQ turns the weight into integer codes W_q with a (s
 W ≈ (W_q - zero) * scale; then one kernel (`river_hf.kernels.registry`) packs those three tensors into its own layout and runs
 the matmul.
 
-The backend is resolved per linear layer, so a model whose twins mix widths (a `RiverQuantConfig` bit schedule) runs
-each layer on its own kernel. `backend="auto"` takes the device's preferred kernel for the width (CPU: int4pack for
-2-4 bits, int8pack for 8; CUDA: tinygemm); `backend="fastest"` measures the candidates on this machine for this
-layer's shape (`river_hf.kernels.choice`) and takes the fastest. The int8 kernels read one (scale, zero) per output
+The backend is resolved per linear layer (`kernels.backends`), so a model whose twins mix widths (a `RiverQuantConfig`
+bit schedule) runs each layer on its own kernel. The int8 kernels read one (scale, zero) per output
 row: given a group size, a single `from_linear` call warns once and ignores it, while a schedule's 8-bit layers are
 quantized per row to begin with (no warning).
 """
 
 from __future__ import annotations
 
-import warnings
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -22,15 +19,12 @@ import torch
 from hqq.core.quantize import Quantizer
 from torch import nn
 
-from ..checks import check_choice, install_hint
-from .choice import fastest_backend
-from .registry import KERNELS, PREFERRED_BACKENDS, SUPPORTED_NBITS, cast, dequantize, runs, shape_problem
+from ..checks import check_choice
+from .backends import ACTIVATIONS, backend_for_codes, fit_layer
+from .codes_from_layout import dense_codes, int4_codes_by_layout
+from .registry import KERNELS, SUPPORTED_NBITS, cast, dequantize
 
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256, None)  # None = one group per output channel (whole row)
-BACKENDS = ("auto", "fastest", *KERNELS)
-# What 'auto' and 'fastest' may do to activations: None keeps the kernels weight-only; "int8" also lets 8-bit twins
-# run on kernels that round each token's activations to int8 (KERNELS[...].quantizes_activations), a fidelity cost
-ACTIVATIONS = (None, "int8")
 
 
 # ---------------------------------------------------------------- HQQ quantization (step 1: codes + scale/zero)
@@ -70,150 +64,6 @@ def hqq_quantize(weight: torch.Tensor, nbits: int, group_size: int | None):
 
 
 # ---------------------------------------------------------------- choosing a backend
-
-
-def backend_nbits(backend: str) -> tuple[int, ...]:
-    """The bit widths `backend` can run (on its device); 'auto', 'fastest', 'dense' and 'hqq': all of them."""
-    check_choice("backend", backend, BACKENDS)
-    return SUPPORTED_NBITS if backend in ("auto", "fastest") else KERNELS[backend].nbits
-
-
-def _fast_backend(nbits: int, device: torch.device, activations: str | None = None) -> str | None:
-    quantizing = tuple(name for name, kernel in KERNELS.items()
-                       if kernel.quantizes_activations and kernel.unmeasured_pick)
-    preferred = (quantizing if activations == "int8" else ()) + PREFERRED_BACKENDS
-    return next((name for name in preferred if runs(name, nbits, device)), None)
-
-
-def _warn_slow(nbits: int, device: torch.device, reason: str) -> None:
-    # The message holds no layer shape, so Python's warning filter shows it once, not once per linear layer.
-    warnings.warn(f"RiverQuantLinear: {reason}; using backend 'hqq', which dequantizes the whole weight on every "
-                  f"call and is slower than the full-precision layer ({nbits}-bit on {device.type}).", stacklevel=2)
-
-
-def resolve_backend(backend: str, nbits: int, device: torch.device, activations: str | None = None) -> str:
-    """The kernel a twin linear will run on. 'auto' -> the fastest one that runs `nbits` on `device`:
-    CPU: 2/3/4 bits -> 'int4pack_cpu', 8 -> 'int8pack_cpu' ('w8a8_cpu' with activations="int8"); CUDA: 2/3/4 ->
-    'tinygemm_cuda'; otherwise 'hqq' (slow, with a warning). An explicit backend is returned as is if it can run
-    there, else ValueError."""
-    check_choice("nbits", nbits, SUPPORTED_NBITS)
-    check_choice("backend", backend, BACKENDS)
-    check_choice("activations", activations, ACTIVATIONS)
-    device = torch.device(device)
-    if backend in ("auto", "fastest"):  # 'fastest' needs the layer's shape: `_fit_layer` measures it
-        fast = _fast_backend(nbits, device, activations)
-        if fast is None:
-            _warn_slow(nbits, device, f"no fast kernel for {nbits}-bit weights on {device.type}")
-        return fast or "hqq"
-    kernel = KERNELS[backend]
-    if kernel.requires and not kernel.available():
-        raise ValueError(f"`backend`={backend!r} {install_hint(*kernel.requires)}; or choose another backend.")
-    if not runs(backend, nbits, device):
-        usable = tuple(name for name in KERNELS if runs(name, nbits, device))
-        raise ValueError(f"`backend`={backend!r} cannot run {nbits}-bit weights on {device.type}; "
-                         f"choose one of {('auto', 'fastest') + usable}.")
-    return backend
-
-
-def _fit_layer(requested: str, nbits: int, group_size: int | None, weight: torch.Tensor,
-               activations: str | None) -> tuple[str, int | None]:
-    """The (backend, group_size) one layer's weight [N, K] will use; warns when that is not what was asked."""
-    if requested == "fastest" and weight.device.type == "cpu":  # on CUDA (one kernel per width) 'auto' decides
-        backend = fastest_backend(nbits, group_size, *weight.shape, weight.device, activations).backend
-        return backend, None if KERNELS[backend].per_row else group_size
-    backend = resolve_backend(requested, nbits, weight.device, activations)
-    problem = shape_problem(backend, *weight.shape, group_size)
-    if problem and requested not in ("auto", "fastest"):
-        raise ValueError(f"`backend`={requested!r} cannot run this layer: {problem}.")
-    if problem:
-        _warn_slow(nbits, weight.device, f"{backend!r} cannot run some layers ({problem})")
-        backend = "hqq"
-    elif requested == "hqq":
-        fast = _fast_backend(nbits, weight.device)
-        _warn_slow(nbits, weight.device, f"backend 'hqq' was asked for ({fast or 'no kernel'} is the fast one here)")
-    if KERNELS[backend].per_row and group_size is not None:
-        warnings.warn(f"RiverQuantLinear: {backend!r} runs 8-bit weights with one group per output row; "
-                      f"`group_size`={group_size} is ignored.", stacklevel=2)
-        group_size = None
-    return backend, group_size
-
-
-def _readable(backend: str, nbits: int, group_size: int | None, out_features: int, in_features: int) -> bool:
-    """Whether `backend` can run codes already grouped by `group_size` (stored codes cannot be regrouped: the int8
-    kernels read one (scale, zero) per row)."""
-    if KERNELS[backend].per_row and group_size is not None:
-        return False
-    return shape_problem(backend, out_features, in_features, group_size) is None
-
-
-def _backend_for_codes(requested: str, nbits: int, group_size: int | None, out_features: int, in_features: int,
-                       device: torch.device, activations: str | None) -> str:
-    """The kernel for stored codes: chosen as for a fresh layer ('fastest' measures, 'auto' takes the preferred one),
-    among the kernels that can read the codes' grouping; 'dense' (any grouping, the backbone's speed) otherwise."""
-    if requested == "fastest" and device.type == "cpu":
-        choice = fastest_backend(nbits, group_size, out_features, in_features, device, activations)
-        if _readable(choice.backend, nbits, group_size, out_features, in_features):
-            return choice.backend  # what a fresh build picks (the preferred kernel wins close calls)
-        usable = [name for name in choice.microseconds if _readable(name, nbits, group_size, out_features,
-                                                                    in_features)]
-        return min(usable, key=choice.microseconds.get) if usable else "hqq"
-    backend = resolve_backend(requested, nbits, device, activations)
-    if _readable(backend, nbits, group_size, out_features, in_features):
-        return backend
-    if requested not in ("auto", "fastest"):
-        raise ValueError(f"`backend`={requested!r} cannot run these stored {nbits}-bit codes of a "
-                         f"[{out_features}, {in_features}] weight grouped by `group_size`={group_size}; use "
-                         f"backend='auto' or 'dense'.")
-    return "dense"
-
-
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Any packed tensor's bytes as 4-bit values, low nibble first -> uint8 [2 * bytes]."""
-    data = packed.contiguous().view(torch.uint8).reshape(-1)
-    return torch.stack([data & 15, data >> 4], dim=-1).reshape(-1)
-
-
-def _int4_codes_by_layout(module: "RiverQuantLinear") -> torch.Tensor | None:
-    """The codes [N, K] of an int4-kernel layer, from its packed weight without running the kernel.
-
-    The packed weight is a data-independent shuffle of 4-bit values (blocked for the CPU's ISA: opaque, but fixed),
-    so packing images whose values are the base-16 digits of each element's index shows where every code went: a
-    few packs, where reading the codes through the kernel (an identity-matrix matmul, `Kernel.codes`) costs K GEMVs
-    per layer, hours for an 8B model on CPU. Checked by packing the decoded codes again: None when the bytes
-    differ (the caller then reads them through the kernel)."""
-    rows, cols, nbits = module.out_features, module.in_features, module.nbits
-    pack = KERNELS[module.backend].pack
-    index = torch.arange(rows * cols, device=module.qweight.device)
-    source = torch.zeros_like(index)
-    for digit in range(((rows * cols - 1).bit_length() + 3) // 4):
-        image = ((index >> (4 * digit)) & 15).reshape(rows, cols).to(torch.int32)  # packed as 4-bit: no shift
-        source |= _nibbles(pack(image, module.scale, module.zero, module.group_size, 4)["qweight"]).long() << (4 * digit)
-    centered = torch.empty(rows * cols, dtype=torch.int16, device=index.device)
-    centered[source] = _nibbles(module.qweight).to(torch.int16)
-    codes = centered.reshape(rows, cols) - (8 - 2 ** (nbits - 1))  # 2/3-bit codes sit around the midpoint 8
-    if codes.min() < 0 or codes.max() >= 2 ** nbits:
-        return None
-    codes = codes.to(torch.uint8)
-    repacked = pack(codes, module.scale, module.zero, module.group_size, nbits)["qweight"]
-    return codes if torch.equal(repacked, module.qweight) else None
-
-
-def _dense_codes(module: "RiverQuantLinear") -> torch.Tensor | None:
-    """The codes [N, K] of a 'dense' layer, whose weight is the bf16 rounding of (W_q - zero) * scale. Rounding back
-    to the nearest code can miss by one where |W_q - zero| is large (bf16 keeps 8 significant bits), so of each
-    nearest code and its two neighbours, the one whose bf16 weight is the stored one is taken. None when some
-    element has none (not a 'dense' weight made by this code)."""
-    weight, scale, zero = module.qweight, module.scale.float(), module.zero.float()
-    rows, cols = weight.shape
-    grouped = weight.float().reshape(rows, scale.shape[1], -1) / scale[..., None] + zero[..., None]
-    nearest = grouped.round().reshape(rows, cols).to(torch.int16)
-    codes = torch.zeros_like(nearest)
-    found = torch.zeros_like(nearest, dtype=torch.bool)
-    for shift in (0, -1, 1):
-        candidate = (nearest + shift).clamp(0, 2 ** module.nbits - 1)
-        match = ~found & (dequantize(candidate, scale, zero).to(weight.dtype) == weight)
-        codes, found = torch.where(match, candidate, codes), found | match
-    return codes.to(torch.uint8) if bool(found.all()) else None
 
 
 def _check_layer(linear: nn.Module, nbits, group_size, axis) -> None:
@@ -286,7 +136,7 @@ class RiverQuantLinear(nn.Module):
         (`activations`: see ACTIVATIONS)."""
         _check_layer(linear, nbits, group_size, axis)
         check_choice("activations", activations, ACTIVATIONS)
-        backend, group_size = _fit_layer(backend, nbits, group_size, linear.weight, activations)
+        backend, group_size = fit_layer(backend, nbits, group_size, linear.weight, activations)
         codes, scale, zero = hqq_quantize(linear.weight, nbits, group_size)
         buffers = {"scale": scale, "zero": zero, **KERNELS[backend].pack(codes, scale, zero, group_size, nbits)}
         bias = None if linear.bias is None else linear.bias.detach().clone()
@@ -310,7 +160,7 @@ class RiverQuantLinear(nn.Module):
                              f"{codes.dtype} {tuple(codes.shape)}, scale {tuple(scale.shape)}, zero {tuple(zero.shape)} "
                              f"for `group_size`={group_size}.")
         device = torch.device(device) if device is not None else codes.device
-        backend = _backend_for_codes(backend, nbits, group_size, out_features, in_features, device, activations)
+        backend = backend_for_codes(backend, nbits, group_size, out_features, in_features, device, activations)
         codes, scale, zero = codes.to(device), scale.to(device).float(), zero.to(device).float()
         buffers = {"scale": scale, "zero": zero, **KERNELS[backend].pack(codes, scale, zero, group_size, nbits)}
         bias = None if bias is None else bias.to(device)
@@ -323,9 +173,9 @@ class RiverQuantLinear(nn.Module):
         this one does); a RuntimeError otherwise."""
         codes = None
         if "scales_and_zeros" in self._buffers:  # the int4 kernels' opaque layouts
-            codes = _int4_codes_by_layout(self)
+            codes = int4_codes_by_layout(self)
         elif self.backend == "dense":
-            codes = _dense_codes(self)
+            codes = dense_codes(self)
         if codes is None:
             codes = KERNELS[self.backend].codes(self).to(torch.uint8)
         packed = KERNELS[self.backend].pack(codes, self.scale, self.zero, self.group_size, self.nbits)

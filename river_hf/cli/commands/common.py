@@ -210,7 +210,7 @@ def num_layers(model) -> int:
 
 # ---- the twins --------------------------------------------------------------------------------------------------
 def add_twin_args(parser: argparse.ArgumentParser) -> None:
-    from ...kernels.quantize import BACKENDS
+    from ...kernels.backends import BACKENDS
 
     group = parser.add_argument_group("twins")
     defaults = RiverQuantConfig()
