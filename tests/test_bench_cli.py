@@ -344,7 +344,7 @@ def test_missing_gsm8k_says_where_it_looked(tmp_path, monkeypatch):
 
 def test_hub_dataset_without_datasets_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ModuleNotFoundError
-    with pytest.raises(ValueError, match="needs the `datasets` package"):
+    with pytest.raises(ValueError, match="needs datasets, which is not installed here"):
         bench_data.load_prompts(2, dataset="openai/gsm8k:main")
 
 

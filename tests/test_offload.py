@@ -276,7 +276,7 @@ def test_config_checks_the_offload_fields():
     with pytest.raises(ValueError, match="`offload_max_share`"):
         RiverQuantConfig(offload="disk", offload_layers=[2], offload_max_share=0)
     config = RiverQuantConfig(offload="disk", offload_exit_histogram={"1": 3})
-    assert RiverQuantConfig.from_dict(config.to_dict()).offload_exit_histogram == {"1": 3}
+    assert RiverQuantConfig.from_dict(config.to_dict()).offload_exit_histogram == {1: 3}  # JSON keys read back
 
 
 _RSS_CHILD = """

@@ -32,7 +32,7 @@ def rewrite_as_format_2(path: str) -> None:
 def test_a_new_file_records_a_checksum_per_stored_tensor(tmp_path):
     _, folder = saved_river(tmp_path)
     stored = StoredTwins.read(folder)
-    assert stored.record["format"] == FORMAT_VERSION == 3 and "digests" not in stored.record
+    assert stored.record["format"] == FORMAT_VERSION == 4 and "digests" not in stored.record
     assert stored.record["checksums"] == {name: checksum(tensor) for name, tensor in stored.tensors.items()}
 
 

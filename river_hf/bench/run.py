@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from ..kernels import choice as kernel_choice, machine, matmulnbits as ort_kernel
 from ..loading.models import build_chat_inputs
-from ..core.twins import river_layers
+from ..core.twins import get_river
 from ..core.build import is_river
 from .bytes import add_byte_limits
 from .fidelity import Fidelity, backbone_references
@@ -108,7 +108,7 @@ def run_bench(model, prompt_inputs: list[dict], settings: BenchSettings, systems
     add_byte_limits(records, [system.model or model for system in systems])
     for record, split in zip(records, measure_step_splits(model, systems, speed_prompts[0])):
         record["summary"]["step_split_ms_per_token"] = split
-    gain = getattr(river_layers(model)[0], "exit_gain", None)  # measured when the defaults system was made
+    gain = get_river(model).exit_gain  # measured when the defaults system was made
     return {"settings": {**asdict(settings), "taus": taus, "batch_size": 1, "warmup_passes": 1},
             "twins": twins, "systems": records, "memory": memory_report(model, rss_built),
             "exit_gain": None if gain is None else {**asdict(gain), "speedup": gain.speedup, "pays": gain.pays}}

@@ -13,11 +13,12 @@ only the steps which left the backbone use (river_hf.core.lm_head).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..checks import check_choice, is_int
+from ..checks import check_choice, checked_histogram, is_int, is_text
 from ..kernels.registry import KERNELS
 from ..kernels.backends import ACTIVATIONS, BACKENDS, backend_nbits
 from ..kernels.quantize import SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS
@@ -132,33 +133,35 @@ class RiverQuantConfig(QuantizationConfigMixin):
             if not self.nbits:
                 raise ValueError("`nbits` is an empty schedule; give one int per river layer, or a single int.")
             for index, bits in enumerate(self.nbits):
-                if isinstance(bits, bool) or bits not in SUPPORTED_NBITS:
+                if not (is_int(bits) and int(bits) in SUPPORTED_NBITS):
                     raise ValueError(f"`nbits`[{index}]={bits!r} is not supported; choose one of {SUPPORTED_NBITS} "
                                      f"(entry {index} is the twin of river layer start_layer + {index}).")
             self.nbits = [int(bits) for bits in self.nbits]
-        elif self.nbits != AUTO_NBITS:
-            check_choice("nbits", self.nbits, SUPPORTED_NBITS)
-        check_choice("group_size", self.group_size, SUPPORTED_GROUP_SIZES)
-        check_choice("axis", self.axis, (1,))  # the kernels need groups along the input dimension
-        check_choice("backend", self.backend, BACKENDS)
-        check_choice("activations", self.activations, ACTIVATIONS)
+        elif not is_text(self.nbits, AUTO_NBITS):
+            self.nbits = check_choice("nbits", self.nbits, SUPPORTED_NBITS)
+        # check_choice gives back the plain choice: a numpy integer is stored as an int (config.json stays JSON)
+        self.group_size = check_choice("group_size", self.group_size, SUPPORTED_GROUP_SIZES)
+        self.axis = check_choice("axis", self.axis, (1,))  # the kernels need groups along the input dimension
+        self.backend = check_choice("backend", self.backend, BACKENDS)
+        self.activations = check_choice("activations", self.activations, ACTIVATIONS)
         if KERNELS.get(self.backend) is not None and KERNELS[self.backend].quantizes_activations \
                 and self.activations != "int8":
             raise ValueError(f"`backend`={self.backend!r} quantizes activations to int8 (a fidelity cost); say so "
                              f"with activations='int8', or choose a weight-only backend.")
-        check_choice("lora_twins", self.lora_twins, LORA_TWINS)
-        check_choice("quant_method", self.quant_method, (RIVER_QUANT_METHOD,))
+        self.lora_twins = check_choice("lora_twins", self.lora_twins, LORA_TWINS)
+        self.quant_method = check_choice("quant_method", self.quant_method, (RIVER_QUANT_METHOD,))
         if not is_int(self.start_layer) or self.start_layer < 1:
             raise ValueError(
                 f"`start_layer` must be an integer >= 1 (layer 0 always runs on the backbone, its similarity is the "
                 f"first exit signal); got {self.start_layer!r}."
             )
-        if isinstance(self.skip_modules, str) or not all(isinstance(name, str) for name in self.skip_modules):
+        self.start_layer = int(self.start_layer)
+        if not isinstance(self.skip_modules, (list, tuple)) or not all(isinstance(n, str) for n in self.skip_modules):
             raise ValueError(f"`skip_modules` must be a list of module names; got {self.skip_modules!r}.")
         self.skip_modules = list(self.skip_modules)
         if not isinstance(self.quantize_lm_head, bool):
             raise ValueError(f"`quantize_lm_head` must be True or False; got {self.quantize_lm_head!r}.")
-        check_choice("lm_head_nbits", self.lm_head_nbits, SUPPORTED_NBITS)
+        self.lm_head_nbits = check_choice("lm_head_nbits", self.lm_head_nbits, SUPPORTED_NBITS)
         self._check_backend_runs_every_width()
         self._check_grouped_codes()
         self._check_offload()
@@ -176,6 +179,12 @@ class RiverQuantConfig(QuantizationConfigMixin):
         elif not isinstance(self.offload_layers, (list, tuple)) or not all(is_int(i) for i in self.offload_layers):
             raise ValueError(f"`offload_layers` must be 'auto' or a list of decoder-layer indices; got "
                              f"{self.offload_layers!r}.")
+        else:
+            self.offload_layers = [int(idx) for idx in self.offload_layers]
+        if self.offload_folder is not None and not isinstance(self.offload_folder, (str, os.PathLike)):
+            raise ValueError(f"`offload_folder` must be None or a folder path; got {self.offload_folder!r}.")
+        if self.offload_exit_histogram is not None:
+            self.offload_exit_histogram = checked_histogram("offload_exit_histogram", self.offload_exit_histogram)
         share = self.offload_max_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
             raise ValueError(f"`offload_max_share` must be a share of decoded tokens in (0, 1]; got {share!r}.")

@@ -46,7 +46,9 @@ class RiverConfig(GenerationConfig):
 
     def validate(self, *args, **kwargs):
         super().validate(*args, **kwargs)
-        self.river_settings()  # raises ValueError naming a bad field
+        settings = self.river_settings()  # raises ValueError naming a bad field
+        for name in RIVER_FIELDS:  # the checked values, as plain Python ones (a numpy integer becomes an int): JSON
+            setattr(self, name, getattr(settings, name))
 
     def update(self, defaults_only=False, allow_custom_entries=False, **kwargs):
         # HF's `generate` merges the model's defaults into the config it was given with exactly these flags. A river
@@ -75,7 +77,9 @@ def river_settings_from(generation_config, kwargs: dict, model_default=None) -> 
     `generate` does not reject them as unknown model kwargs.
     """
     overrides = {name: kwargs.pop(name) for name in RIVER_FIELDS if name in kwargs}
-    source = next((cfg for cfg in (generation_config, model_default) if getattr(cfg, "tau", None) is not None), None)
+    # a RiverConfig always asks for the river (a tau set to None afterwards is refused by RiverSettings, not ignored)
+    source = next((cfg for cfg in (generation_config, model_default)
+                   if isinstance(cfg, RiverConfig) or getattr(cfg, "tau", None) is not None), None)
     if source is None and "tau" not in overrides:
         return None
     return RiverSettings.from_object(source, **overrides)

@@ -11,8 +11,8 @@ import math
 import numbers
 from dataclasses import MISSING, dataclass, field, fields
 
-from ..checks import check_choice, is_int
-from .signals import EXIT_POLICIES, signal_names
+from ..checks import check_choice, is_int, is_text
+from .signals import EXIT_POLICIES, reads_tau, signal_names
 from .kv_strategies import strategy_names
 
 AUTO_TAU = "auto"  # tau's default: the signal's entry below where exiting pays on this machine (river_hf.core.auto_tau)
@@ -87,28 +87,44 @@ class RiverSettings:
 
     def __post_init__(self):
         _check_tau(self.tau)
-        if self.tau != AUTO_TAU:
-            object.__setattr__(self, "tau", float(self.tau))
-        if not (self.prefill_exit in PREFILL_EXITS or (is_int(self.prefill_exit) and self.prefill_exit >= 1)):
-            raise ValueError(f"`prefill_exit`={self.prefill_exit!r} is not supported; use one of {PREFILL_EXITS} or "
+        if not is_text(self.tau, AUTO_TAU):
+            self._set("tau", float(self.tau))
+        prefill = self.prefill_exit
+        if not (isinstance(prefill, str) and prefill in PREFILL_EXITS or is_int(prefill) and prefill >= 1):
+            raise ValueError(f"`prefill_exit`={prefill!r} is not supported; use one of {PREFILL_EXITS} or "
                              f"an int >= 1 (the number of backbone layers every prompt token runs).")
-        check_choice("exit_policy", self.exit_policy, EXIT_POLICIES)
-        check_choice("kv_strategy", self.kv_strategy, strategy_names())
-        check_choice("exit_signal", self.exit_signal, signal_names())
+        self._set("prefill_exit", prefill if isinstance(prefill, str) else int(prefill))
+        self._set("exit_policy", check_choice("exit_policy", self.exit_policy, EXIT_POLICIES))
+        self._set("kv_strategy", check_choice("kv_strategy", self.kv_strategy, strategy_names()))
+        self._set("exit_signal", check_choice("exit_signal", self.exit_signal, signal_names()))
         for name in ("min_exit_layer", "signal_layer"):
             value = getattr(self, name)
             if value is not None and not (is_int(value) and value >= 1):
                 raise ValueError(f"`{name}` must be None or an int >= 1 (a number of backbone layers); got {value!r}.")
+            self._set(name, None if value is None else int(value))
         self._check_random_fields()
         self._check_lossless_fields()
+        self._check_auto_tau_has_a_default()
+
+    def _set(self, name: str, value) -> None:
+        """Store a checked value in its plain Python form (the dataclass is frozen: per-call settings never change)."""
+        object.__setattr__(self, name, value)
+
+    def _check_auto_tau_has_a_default(self) -> None:
+        """tau='auto' needs the signal's measured default; refused here, not only on machines where exiting pays."""
+        if (is_text(self.tau, AUTO_TAU) and not self.lossless and reads_tau(self.exit_signal)
+                and self.exit_signal not in DEFAULT_TAUS):
+            raise ValueError(f"`tau`='auto' has no measured default for `exit_signal`={self.exit_signal!r} (defaults "
+                             f"exist for {sorted(DEFAULT_TAUS)}); give `tau` a number.")
 
     def _check_lossless_fields(self) -> None:
         for name in ("lossless", "draft_fallback", "exact_verify"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False; got {getattr(self, name)!r}.")
         draft = self.num_draft_tokens
-        if not (draft == DRAFT_HEURISTIC or (is_int(draft) and draft >= 1)):
+        if not (is_text(draft, DRAFT_HEURISTIC) or (is_int(draft) and draft >= 1)):
             raise ValueError(f"`num_draft_tokens` must be an int >= 1 or {DRAFT_HEURISTIC!r}; got {draft!r}.")
+        self._set("num_draft_tokens", draft if isinstance(draft, str) else int(draft))
         if self.lossless and self.kv_strategy != "river":
             raise ValueError(f"`lossless`=True drafts with the river's twins and crops the cache back, so it needs "
                              f"`kv_strategy`='river'; got {self.kv_strategy!r}.")
@@ -121,6 +137,8 @@ class RiverSettings:
             raise ValueError(f"`exit_rate` must be a probability between 0 and 1; got {rate!r}.")
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"`seed` must be None or an int; got {self.seed!r}.")
+        self._set("seed", None if self.seed is None else int(self.seed))
+        self._set("exit_rate", None if rate is None else float(rate))
 
     @classmethod
     def from_object(cls, source, **overrides) -> RiverSettings:
@@ -147,7 +165,7 @@ def river_fields_doc(indent: str = "    ") -> str:
 
 
 def _check_tau(tau) -> None:
-    if tau == AUTO_TAU:
+    if is_text(tau, AUTO_TAU):
         return
     if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or math.isnan(tau):
         raise ValueError(f"`tau` must be a real number (the exit threshold: > 1 never exits, -1 exits as early as "

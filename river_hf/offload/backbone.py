@@ -133,6 +133,8 @@ def offload_backbone(model: nn.Module, layers="auto", to: str = "disk", folder: 
     if ACCELERATE_MISSING:
         raise ModuleNotFoundError(f"`offload_backbone` {install_hint('accelerate')}.")
     check_choice("to", to, OFFLOAD_DESTINATIONS)
+    if folder is not None and not isinstance(folder, (str, os.PathLike)):
+        raise ValueError(f"`folder` must be None or a folder path (str or os.PathLike); got {folder!r}.")
     wrapped = river_layers(model)  # a clear error for a model without a river
     if offloaded_layers(model):
         raise ValueError(f"`model` already has offloaded backbone layers {offloaded_layers(model)}; call "
@@ -265,8 +267,9 @@ def _new_folder(folder: str | None) -> str:
     try:
         os.makedirs(root, exist_ok=True)
         return tempfile.mkdtemp(prefix="river-offload-", dir=root)
-    except OSError as error:
-        raise ValueError(f"`folder`={str(root)!r} is not writable ({error.strerror or error}); pass a folder you can "
+    except (OSError, ValueError) as error:  # ValueError: a path the system refuses outright (a NUL byte)
+        reason = getattr(error, "strerror", None) or error
+        raise ValueError(f"`folder`={str(root)!r} is not writable ({reason}); pass a folder you can "
                          f"write to (to='disk' writes the offloaded weights there).") from error
 
 

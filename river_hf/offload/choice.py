@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..checks import is_int
+from ..checks import checked_histogram, is_int
 from ..core.config import DEFAULT_OFFLOAD_MAX_SHARE
 from ..core.generation import RiverConfig
 
@@ -24,7 +24,7 @@ from ..core.generation import RiverConfig
 def layer_shares(histogram: Mapping, num_layers: int) -> list[float]:
     """Per decoder layer, the share of decoded tokens that ran it on the backbone (a token of depth d runs layers
     below d)."""
-    counts = _counts(histogram)
+    counts = checked_histogram("histogram", histogram, num_layers)
     total = sum(counts.values())
     return [sum(n for depth, n in counts.items() if depth > layer) / total for layer in range(num_layers)]
 
@@ -46,15 +46,35 @@ def exit_depth_histogram(model, inputs, generation_config: RiverConfig) -> dict[
         raise ValueError(f"`generation_config` must be a RiverConfig holding the exit settings you will decode with "
                          f"(e.g. RiverConfig(tau=0.3, exit_signal='confidence', max_new_tokens=32)); got "
                          f"{type(generation_config).__name__}.")
+    items = _checked_inputs(inputs)  # all of them before anything runs
     config = copy.deepcopy(generation_config)
     config.return_dict_in_generate = True
     counts: Counter = Counter()
-    for item in inputs:
-        item = dict(item) if isinstance(item, Mapping) else {"input_ids": item}
-        item.setdefault("attention_mask", torch.ones_like(item["input_ids"]))
+    for item in items:
         cache = model.generate(**item, generation_config=config).cache
         counts.update(cache.exit_depth[:, cache.prompt_length:].flatten().tolist())
     return dict(sorted(counts.items()))
+
+
+def _checked_inputs(inputs) -> list[dict]:
+    """Each of `inputs` as generate's keyword arguments: an id tensor [B, T] of integers, or a mapping holding one as
+    `input_ids` (and its attention_mask, else ones); a ValueError naming `inputs` otherwise."""
+    if isinstance(inputs, (str, bytes, torch.Tensor, Mapping)) or not hasattr(inputs, "__iter__"):
+        raise ValueError(f"`inputs` must be a list of prompts (id tensors [batch, tokens], or dicts with "
+                         f"`input_ids`); got {type(inputs).__name__}.")
+    items = []
+    for index, item in enumerate(inputs):
+        item = dict(item) if isinstance(item, Mapping) else {"input_ids": item}
+        ids = item.get("input_ids")
+        if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.dtype.is_floating_point
+                and not ids.dtype.is_complex and ids.dtype != torch.bool and ids.numel() > 0):
+            raise ValueError(f"`inputs`[{index}] must be an integer id tensor [batch, tokens] (or a dict with one as "
+                             f"`input_ids`); got {item.get('input_ids', item)!r:.80}.")
+        item.setdefault("attention_mask", torch.ones_like(ids))
+        items.append(item)
+    if not items:
+        raise ValueError("`inputs` is empty: give at least one prompt to measure exit depths on.")
+    return items
 
 
 def choose_layers(model, wrapped, layers="auto", *, histogram: Mapping | None = None, inputs=None,
@@ -100,18 +120,6 @@ def _auto_layers(model, num_layers, start_layer, histogram, inputs, generation_c
         warnings.warn(f"offload_backbone(layers='auto'): every backbone layer from start_layer={start_layer} on runs "
                       f"for at least max_share={max_share:g} of decoded tokens; nothing was offloaded.", stacklevel=3)
     return chosen
-
-
-def _counts(histogram: Mapping) -> dict[int, int]:
-    if not isinstance(histogram, Mapping):
-        raise ValueError(f"`histogram` must map exit depths to decoded-token counts; got {type(histogram).__name__}.")
-    try:
-        counts = {int(depth): int(n) for depth, n in histogram.items()}
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"`histogram` must map exit depths (integers) to token counts; got {histogram!r}.") from error
-    if sum(counts.values()) <= 0 or any(n < 0 for n in counts.values()):
-        raise ValueError(f"`histogram` holds no decoded token (or a negative count): {histogram!r}.")
-    return counts
 
 
 def _check_share(max_share) -> None:

@@ -23,13 +23,11 @@ the merged weight's codes and fingerprint, which fit only the same adapter.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
 import warnings
 
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
@@ -40,15 +38,17 @@ from ..core.adapters import stored_linear_name
 from ..core.twins import make_twin, river_layers, twin_linears
 from ..core.lm_head import river_lm_head
 from ..kernels.quantize import RiverQuantLinear
+from .integrity import checksum, digest, record_digest, record_problem
 
 TWINS_FILE = "river_twins.safetensors"
 METADATA_KEY = "river_twins"
-# 3: each stored tensor is checked against a checksum (not a digest: the row samples cost more than the sums over the
-# 600+ tensors of a file); 2: digests (still read); 1: digests summed elements (refused: save again)
-FORMAT_VERSION = 3
-READ_FORMATS = (2, 3)
-_SAMPLE_STRIDE = 7919  # a prime: row i is sampled at column (i * 7919) mod K, so every row and column is reached
-_INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+RECORD_DIGEST_KEY = "river_twins_record_digest"  # format 4: a digest of the record itself
+# 4: the record (which twin is stored under which key, its bits and fingerprint) has a digest of its own: a flipped
+# bit there would otherwise load one layer's codes into another's twin; 3: each stored tensor is checked against a
+# checksum (not a digest: the row samples cost more than the sums over the 600+ tensors of a file); 2: digests (still
+# read); 1: digests summed elements (refused: save again)
+FORMAT_VERSION = 4
+READ_FORMATS = (2, 3, 4)
 
 
 class StoredTwinsError(ValueError):
@@ -60,59 +60,6 @@ class TwinsMismatchWarning(UserWarning):
 
 
 # ---------------------------------------------------------------- fingerprints
-
-
-def digest(tensor: torch.Tensor) -> str:
-    """A cheap, exact identity of a tensor: dtype, shape, its `checksum` and a hash of one element per row (a shuffle
-    that keeps the sum does not keep the sample). One read of the tensor at memory speed."""
-    data = tensor.detach()
-    flat, raw = _bytes(data)
-    rows = data.shape[0] if data.dim() > 1 else 1
-    cols = max(flat.numel() // max(rows, 1), 1)
-    row = np.arange(rows if flat.numel() else 0, dtype=np.int64)
-    bits = raw.view(_INT_VIEWS[flat.element_size()]) if raw.numel() else raw
-    sample = _elements(bits, row * cols + (row * _SAMPLE_STRIDE) % cols)
-    sample_hash = hashlib.blake2b(sample.tobytes(), digest_size=8).hexdigest()
-    return f"{str(data.dtype).removeprefix('torch.')}:{list(data.shape)}:{_checksum(raw)}:{sample_hash}"
-
-
-def checksum(tensor: torch.Tensor) -> str:
-    """The wrap-around sum of a tensor's bytes read as 64-bit words, and the byte sum of a tail shorter than 8 bytes
-    (modular integer addition: the same on any device, thread count and summation order; any single changed element
-    changes exactly one word, so the sum). What a stored tensor is checked against: it finds a damaged file, and
-    costs a fraction of `digest` over the hundreds of tensors of a twins file."""
-    return _checksum(_bytes(tensor.detach())[1])
-
-
-def _bytes(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the tensor flattened, its bytes as uint8)."""
-    flat = data.contiguous().reshape(-1)
-    nbytes = flat.numel() * flat.element_size()
-    return flat, flat.view(torch.uint8) if nbytes else flat.new_empty(0, dtype=torch.uint8)
-
-
-def _checksum(raw: torch.Tensor) -> str:
-    whole = raw.numel() // 8 * 8  # the tail (< 8 bytes) is summed byte by byte
-    words = _word_sum(raw if whole == raw.numel() else raw[:whole])
-    tail = int(raw[whole:].sum(dtype=torch.int64)) if whole < raw.numel() else 0
-    return f"{words:016x}.{tail}"
-
-
-def _word_sum(raw: torch.Tensor) -> int:
-    """The sum mod 2^64 of `raw` (bytes, a multiple of 8) read as 64-bit words. numpy on CPU: torch's int64 sum
-    takes ~8 ms for any tensor over ~1 MB on this project's CPU, numpy's uint64 sum runs at memory speed (and wraps
-    the same way)."""
-    if raw.device.type == "cpu":
-        return int(raw.numpy().view(np.uint64).sum(dtype=np.uint64))
-    return int(raw.view(torch.int64).sum()) % (1 << 64)
-
-
-def _elements(bits: torch.Tensor, positions: np.ndarray) -> np.ndarray:
-    """bits[positions] as a numpy array (indexed in numpy on CPU: a few small torch ops per tensor cost more than
-    reading the tensor, over the hundreds of tensors of a load)."""
-    if bits.device.type == "cpu":
-        return bits.numpy()[positions]
-    return bits[torch.from_numpy(positions).to(bits.device)].cpu().numpy()
 
 
 def fingerprint(linear: nn.Linear) -> str:
@@ -185,7 +132,8 @@ def save_twins(model: nn.Module, folder: str | os.PathLike) -> str:
     handle, partial = tempfile.mkstemp(prefix=".river_twins-", suffix=".partial", dir=folder)
     os.close(handle)
     try:
-        save_file(tensors, partial, metadata={METADATA_KEY: json.dumps(record)})
+        text = json.dumps(record)
+        save_file(tensors, partial, metadata={METADATA_KEY: text, RECORD_DIGEST_KEY: record_digest(text)})
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):
@@ -238,6 +186,11 @@ class StoredTwins:
         if not isinstance(record, dict) or record.get("format") not in READ_FORMATS:
             raise _corrupt(path, f"its format is {record.get('format') if isinstance(record, dict) else None!r}, "
                            f"this river_hf reads formats {', '.join(map(str, READ_FORMATS))}")
+        if record["format"] >= 4 and metadata.get(RECORD_DIGEST_KEY) != record_digest(metadata[METADATA_KEY]):
+            raise _corrupt(path, "its record (which twin is stored where, with its bits and fingerprint) does not "
+                           "match the record's digest")
+        if (problem := record_problem(record)) is not None:
+            raise _corrupt(path, f"its record is damaged ({problem})")
         expected, check = (record.get("digests", {}), digest) if record["format"] == 2 else \
             (record.get("checksums", {}), checksum)
         bad = sorted(name for name in expected.keys() | tensors.keys()
