@@ -414,10 +414,16 @@ def assert_unchanged(model, before) -> None:
     assert all(torch.equal(now[key], state[key]) for key in state)
 
 
+def check_cases_ran(module: str, cases: Counter, minimum: dict[str, int]) -> None:
+    """Each fuzz module's last test: every test of `module` passed at least its `minimum` of generated cases (counted
+    in `cases` by test name; "name:detail" keys are details). Skips when only part of the module ran (-k, a rerun)."""
+    ran = {name: count for name, count in cases.items() if count and ":" not in name}
+    if set(ran) != set(minimum):
+        pytest.skip(f"only part of {module} ran: {sorted(ran)}")
+    short = {name: count for name, count in ran.items() if count < minimum[name]}
+    assert not short, f"{module}: fewer passing generated cases than expected: {short}"
+    print(f"{module}: {sum(ran.values())} generated cases passed: {dict(cases)}")
+
+
 def test_every_fuzz_test_ran_its_cases():
-    ran = {name: count for name, count in CASES.items() if count and ":" not in name}
-    if set(ran) != set(MIN_CASES):
-        pytest.skip(f"only part of the module ran: {sorted(ran)}")
-    short = {name: count for name, count in ran.items() if count < MIN_CASES[name]}
-    assert not short, f"fewer passing generated cases than expected: {short}"
-    print(f"test_fuzz_configs: {sum(ran.values())} generated cases passed: {dict(CASES)}")
+    check_cases_ran("test_fuzz_configs", CASES, MIN_CASES)
