@@ -4,6 +4,8 @@ What lives there (each in its own subfolder or file, each keyed so that a stale 
 - `gguf/`: local GGUF files converted to safetensors (`river_hf.loading.gguf`);
 - `kernel_choices/`: the kernels `backend="fastest"` measured, per machine (`river_hf.kernels.choice`);
 - `twins/`: the twins the command line built, per model and twin settings (`river_hf.cli.stored_twins`);
+- `packed_twins/`: saved rivers' twins in this machine's kernel layout, the 4 most recently loaded
+  (`river_hf.saving.packed_cache`);
 - `calibrations.json`: `river-hf calibrate`'s taus; `offload/`: offloaded layers' files (default folder).
 
 Where: `$RIVER_HF_CACHE`, else `$XDG_CACHE_HOME/river_hf`, else `~/.cache/river_hf`. `RIVER_HF_CACHE=off` turns

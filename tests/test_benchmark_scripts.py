@@ -52,23 +52,27 @@ def test_start_time_example_loads_both_ways(capsys):
     assert "| from the cache |" in capsys.readouterr().out
 
 
-def test_load_phases_example_times_the_phases_and_puts_everything_back(saved_tiny_model, tmp_path, capsys):
+def test_load_phases_example_times_the_phases_and_puts_everything_back(saved_tiny_model, tmp_path, capsys,
+                                                                     monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM
 
     from river_hf import RiverQuantConfig
     from river_hf.kernels import registry as kernels
     from river_hf.saving import twin_files as twin_store
+    from river_hf.saving import twin_loading
 
     river = AutoModelForCausalLM.from_pretrained(saved_tiny_model, dtype=torch.bfloat16,
                                                  quantization_config=RiverQuantConfig(backend="auto"))
     river.save_pretrained(tmp_path / "river")  # twins stored (loaded with a RiverQuantConfig)
-    before = (twin_store.digest, twin_store.StoredTwins.__dict__["read"], dict(kernels.KERNELS))
+    before = (twin_store.digest, twin_loading.StoredTwins.__dict__["read"], dict(kernels.KERNELS))
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "cache"))  # nothing packed yet: the load packs and keeps
     [load] = load_script("load_phases").main([str(tmp_path / "river"), "--loads", "1"])
-    assert {"read", "checksum", "digest", "fingerprint", "from_codes", "make_twin"} <= load["phases"].keys()
+    assert {"read", "checksum", "sampled_digest", "sampled_fingerprint", "from_codes", "make_twin", "read_packed",
+            "write_packed"} <= load["phases"].keys()
     assert any(label.startswith("pack ") for label in load["phases"])
     assert 0 < load["phases"]["read"][0] < load["total_s"]
-    assert (twin_store.digest, twin_store.StoredTwins.__dict__["read"], dict(kernels.KERNELS)) == before
+    assert (twin_store.digest, twin_loading.StoredTwins.__dict__["read"], dict(kernels.KERNELS)) == before
     assert "load 1: " in capsys.readouterr().out
 
 

@@ -39,6 +39,19 @@ CONFIG = dict(start_layer=1, nbits=4, group_size=32, backend="auto", quantize_lm
 assert one_thread  # the module-scoped autouse fixture, imported to apply here too
 
 
+@pytest.fixture(scope="module", autouse=True)
+def nothing_packed():
+    """No packed twins kept: every load reads (and checks) the damaged file's tensors. Where this machine keeps a
+    file's twins packed, a load reads none of them (tests/test_packed_twins.py covers that case)."""
+    before = os.environ.get("RIVER_HF_CACHE")
+    os.environ["RIVER_HF_CACHE"] = "off"
+    yield
+    if before is None:
+        os.environ.pop("RIVER_HF_CACHE")
+    else:
+        os.environ["RIVER_HF_CACHE"] = before
+
+
 # ---------------------------------------------------------------- a config that does not fit the model
 
 def misfits(kwargs: dict) -> set[str]:

@@ -129,6 +129,7 @@ RANKS = {"checks": 0, "cache_folder": 0, "kernels": 1, "loading": 1, "core": 2, 
 # The upward imports the design has, each named in CONTRIBUTING.md: build_river installs offloading and saved twins,
 # generate hands lossless calls to lossless/ and pushes saved twins.
 UPWARD = {("river_hf.core.build", "river_hf.offload.backbone"), ("river_hf.core.build", "river_hf.saving.twin_files"),
+          ("river_hf.core.build", "river_hf.saving.twin_loading"),
           ("river_hf.core.generation", "river_hf.lossless.decode"), ("river_hf.core.generation", "river_hf.saving"),
           ("river_hf.core.generation", "river_hf.saving.twin_files")}
 

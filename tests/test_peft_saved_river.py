@@ -17,7 +17,8 @@ import river_hf
 from river_hf import RiverQuantConfig
 from river_hf.kernels import quantize
 from river_hf.core.adapters import LoraOnQuantized
-from river_hf.saving.twin_files import StoredTwins, TwinsMismatchWarning, save_twins
+from river_hf.saving.twin_files import TwinsMismatchWarning, save_twins
+from river_hf.saving.twin_loading import StoredTwins
 
 from conftest import decoded_depths, generate, tiny_model
 from test_peft import MAKERS, START, lora_config, peft_model_of

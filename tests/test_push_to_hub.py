@@ -14,7 +14,8 @@ from transformers.utils.hub import PushToHubMixin
 import river_hf
 from river_hf import RiverQuantConfig
 from river_hf.core.twins import get_river
-from river_hf.saving.twin_files import TWINS_FILE, StoredTwins
+from river_hf.saving.twin_files import TWINS_FILE
+from river_hf.saving.twin_loading import StoredTwins
 
 from conftest import tiny_model
 

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from river_hf.saving.twin_files import (FORMAT_VERSION, METADATA_KEY, TWINS_FILE, StoredTwins, StoredTwinsError,
-    checksum, digest)
+from river_hf.saving.twin_files import FORMAT_VERSION, METADATA_KEY, TWINS_FILE, StoredTwinsError, checksum, digest
+from river_hf.saving.twin_loading import StoredTwins
 
 from test_saved_river import assert_same_river, corrupt, saved_river, without_hqq
 
@@ -32,7 +32,7 @@ def rewrite_as_format_2(path: str) -> None:
 def test_a_new_file_records_a_checksum_per_stored_tensor(tmp_path):
     _, folder = saved_river(tmp_path)
     stored = StoredTwins.read(folder)
-    assert stored.record["format"] == FORMAT_VERSION == 4 and "digests" not in stored.record
+    assert stored.record["format"] == FORMAT_VERSION == 5 and "digests" not in stored.record
     assert stored.record["checksums"] == {name: checksum(tensor) for name, tensor in stored.tensors.items()}
 
 

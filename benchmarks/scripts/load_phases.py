@@ -7,9 +7,10 @@ Loads the saved river `--loads` times in this one process, with the model's mode
 first (as load_time.py does: the first load is the one a user's fresh process pays; the later ones show the steady
 cost without first-touch effects) and prints, per load, the total and the time in each phase: reading and checking
 the twins file (`read`, of which `load_file` and the stored tensors' `checksum`s), fingerprinting the backbone
-weights (`fingerprint`, of which their `digest`s), the twins' module copies (`make_twin`), unpacking the stored
-4-bit codes, `from_codes` (of which each kernel's `pack`). Phases nest, so they do not add up. Time it on a quiet
-machine.
+weights (`sampled_fingerprint` by default, `fingerprint` with verify_twins="full", of which their `digest`s), the
+twins' module copies (`make_twin`), unpacking the stored 4-bit codes, `from_codes` (of which each kernel's `pack`),
+and the packed layout kept per machine (`read_packed`, `write_packed`: the first load packs and writes it, the later
+ones map it). Phases nest, so they do not add up. Time it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from river_hf.kernels import quantize, registry as kernels
 from river_hf.saving import twin_files as twin_store
+try:
+    from river_hf.saving import twin_loading
+except ImportError:  # an older river_hf (PYTHONPATH=OLD_CHECKOUT) loads in twin_files
+    twin_loading = twin_store
 
 SPENT: collections.Counter = collections.Counter()
 CALLS: collections.Counter = collections.Counter()
@@ -47,10 +52,13 @@ def timed(function, label: str):
 def phase_timers():
     """Inside the block river_hf's load phases count into SPENT / CALLS; everything is put back after it."""
     # hasattr: an older river_hf (PYTHONPATH=OLD_CHECKOUT, to time it the same way) may lack a phase
-    patched = [(twin_store, name, getattr(twin_store, name))
-               for name in ("fingerprint", "digest", "checksum", "make_twin", "_unpack_codes", "load_file")
-               if hasattr(twin_store, name)]
-    patched += [(twin_store.StoredTwins, "read", twin_store.StoredTwins.__dict__["read"]),
+    patched = [(module, name, getattr(module, name))
+               for module, names in ((twin_loading, ("fingerprint", "sampled_fingerprint", "checksum", "make_twin",
+                                                     "_unpack_codes", "unpack_codes", "load_file", "read_packed",
+                                                     "write_packed")),
+                                     (twin_store, ("digest", "sampled_digest")))
+               for name in names if hasattr(module, name)]
+    patched += [(twin_loading.StoredTwins, "read", twin_loading.StoredTwins.__dict__["read"]),
                 (quantize.RiverQuantLinear, "from_codes", quantize.RiverQuantLinear.__dict__["from_codes"])]
     kernels_before = dict(kernels.KERNELS)
     try:

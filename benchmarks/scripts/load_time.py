@@ -1,6 +1,7 @@
 """How long loading takes: the plain model, today's re-quantizing river load, and a saved river (twins stored).
 
-    python benchmarks/scripts/load_time.py [--repeats 5] [--folder DIR] [--model PATH] [--saved-only]
+    python benchmarks/scripts/load_time.py [--repeats 5] [--folder DIR] [--model PATH | --random-model NAME]
+                                          [--saved-only]
 
 The packaged SmolLM2-135M-Instruct is saved once as a plain safetensors folder (like for like: every system reads
 the same bf16 checkpoint), and once as a river with its twins (`save_pretrained`, twins stored by default for a
@@ -21,6 +22,7 @@ first token. `--saved-only` leaves out the re-quantizing loads (about 20 s each)
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -47,10 +49,14 @@ def systems(folder: str) -> dict[str, list[str]]:
     # after the first reads them. A machine's first load times them, as this one does (nothing remembered).
     entries["saved river (fastest), first load on a machine"] = ["saved-first", os.path.join(folder, "river-fastest"),
                                                                  "fastest"]
+    # The kernels' packed layout is kept per machine too (river_hf.saving.packed_cache): the loads above after the
+    # first of each backend map it. This one finds the kernel choices but no packed layout: it packs, and keeps it.
+    entries["saved river (fastest), nothing packed yet"] = ["saved-unpacked", os.path.join(folder, "river-fastest"),
+                                                            "fastest"]
     return entries
 
 
-def prepare(folder: str, model_path: str | None) -> dict:
+def prepare(folder: str, model_path: str | None, random_shape: str | None = None) -> dict:
     """The plain folder and one saved river per backend (the same twins; only config.json's backend differs)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -58,7 +64,12 @@ def prepare(folder: str, model_path: str | None) -> dict:
     from river_hf import RiverQuantConfig
     from river_hf.loading.models import load_model_and_tokenizer
 
-    model, _ = load_model_and_tokenizer(model_path, dtype=torch.bfloat16)
+    if random_shape is not None:  # random weights of a public shape (river_hf.bench.shapes), saved like a checkpoint
+        from river_hf.bench.shapes import random_model
+
+        model = random_model(random_shape)
+    else:
+        model, _ = load_model_and_tokenizer(model_path, dtype=torch.bfloat16)
     model.save_pretrained(os.path.join(folder, "plain"))
     del model
     plain = os.path.join(folder, "plain")
@@ -94,6 +105,12 @@ def child(kind: str, folder: str, backend: str) -> None:
     if kind == "saved-first":
         kind = "saved"
         os.environ[CACHE_ENV] = "off"  # remember nothing, read nothing: time the kernels as on a new machine
+    if kind == "saved-unpacked":
+        kind = "saved"
+        own = tempfile.mkdtemp(prefix="river-load-time-cache-")  # the run's cache less its packed twins
+        atexit.register(shutil.rmtree, own, ignore_errors=True)
+        shutil.copytree(os.environ[CACHE_ENV], own, dirs_exist_ok=True, ignore=shutil.ignore_patterns("packed_twins"))
+        os.environ[CACHE_ENV] = own
     if kind == "quantize":
         kwargs["quantization_config"] = RiverQuantConfig(backend=backend)
     if kind == "saved":
@@ -138,6 +155,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", default=None, help="A hub id or local path (default: the packaged SmolLM2).")
+    parser.add_argument("--random-model", default=None, help="A random model of this shape (river_hf.bench.shapes), "
+                        "e.g. llama-3.2-1b, instead of --model.")
     parser.add_argument("--folder", default=None, help="work folder (default: a temporary one, removed after)")
     parser.add_argument("--saved-only", action="store_true", help="leave out the re-quantizing loads")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -153,7 +172,7 @@ def main(argv=None) -> dict:
     user_cache = os.environ.get(CACHE_ENV)
     os.environ[CACHE_ENV] = os.path.join(folder, "cache")  # the remembered kernel choices of this run only
     try:
-        info = prepare(folder, args.model)
+        info = prepare(folder, args.model, args.random_model)
         entries = systems(folder)
         if args.saved_only:
             entries = {name: entry for name, entry in entries.items() if entry[0] != "quantize"}
@@ -174,7 +193,8 @@ def main(argv=None) -> dict:
     from river_hf import RiverQuantConfig
 
     twins = {k: v for k, v in RiverQuantConfig().to_dict().items() if k in TWIN_FIELDS}
-    print(f"torch {torch.__version__}; {args.model or 'SmolLM2-135M-Instruct'} bf16; RiverQuantConfig() defaults "
+    model = f"random {args.random_model}" if args.random_model else args.model or "SmolLM2-135M-Instruct"
+    print(f"torch {torch.__version__}; {model} bf16; RiverQuantConfig() defaults "
           f"{twins}; {args.repeats} loads per system, each in its own process")
     print(f"save_pretrained with twins: {info['save_with_twins_s']:.1f} s; model.safetensors "
           f"{info['weights_file_mib']:.0f} MiB, river_twins.safetensors {info['twins_file_mib']:.0f} MiB\n")

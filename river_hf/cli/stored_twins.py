@@ -20,8 +20,9 @@ import warnings
 
 from ..core.config import RiverQuantConfig
 from ..core.build import build_river
-from ..saving.twin_files import (FORMAT_VERSION, TWINS_FILE, StoredTwins, StoredTwinsError, TwinsMismatchWarning,
-    save_twins, twin_settings)
+from ..saving.twin_files import (FORMAT_VERSION, TWINS_FILE, StoredTwinsError, TwinsMismatchWarning, save_twins,
+                                 twin_settings)
+from ..saving.twin_loading import StoredTwins
 from ..cache_folder import CACHE_ENV, cache_root
 
 
@@ -48,7 +49,7 @@ def build_river_cached(model, quant_config: RiverQuantConfig, progress: bool = T
     """`build_river`, reading the twins kept for this model and config when there are some, and keeping them
     when they had to be built. Returns the model."""
     folder = twins_folder(model, quant_config)
-    stored = _read(folder)
+    stored = _read(folder, quant_config)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TwinsMismatchWarning)
         build_river(model, quant_config, progress=progress, stored_twins=stored)
@@ -61,11 +62,11 @@ def build_river_cached(model, quant_config: RiverQuantConfig, progress: bool = T
     return model
 
 
-def _read(folder: str | None) -> StoredTwins | None:
+def _read(folder: str | None, quant_config: RiverQuantConfig) -> StoredTwins | None:
     if folder is None or not os.path.isdir(folder):
         return None
     try:
-        return StoredTwins.read(folder)
+        return StoredTwins.read(folder, quant_config)
     except StoredTwinsError as error:
         warnings.warn(f"river_hf: the kept twins in {folder!r} are unusable ({error}); they are built again.",
                       stacklevel=3)

@@ -24,7 +24,8 @@ from ..offload.backbone import reload_backbone
 from .current_pass import hook_passes
 from ..kernels.quantize import RiverQuantLinear
 from ..kernels.shared_inputs import fuse_shared_inputs
-from ..saving.twin_files import fingerprint, read_stored_twins
+from ..saving.twin_files import fingerprint
+from ..saving.twin_loading import read_stored_twins
 
 _RIVER_CLASSES: dict[type, type] = {}
 
@@ -38,9 +39,9 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
     gets a quantized copy that the steps which left the backbone use.
 
     Quantizing takes a few seconds per hundred million parameters on CPU (HQQ's optimizer); a progress bar shows it.
-    `stored_twins` (a saved river's twins file or folder, or a `twin_store.StoredTwins`): the twins it holds that
+    `stored_twins` (a saved river's twins file or folder, or a `twin_loading.StoredTwins`): the twins it holds that
     fit this model and config are packed from their stored codes, without HQQ; the rest are quantized, with a
-    `TwinsMismatchWarning` saying what differs (river_hf.saving.twin_files).
+    `TwinsMismatchWarning` saying what differs (river_hf.saving.twin_loading).
     A `PeftModel`'s river goes on the model inside it (`get_base_model()`); LoRA layers are merged into the twins.
     """
     if (host := river_host(model)) is not model:
@@ -55,7 +56,7 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
     layers = find_decoder_layers(model)
     quant_config.check_model_depth(len(layers))
     # The head first: it fails fast (no output embedding, not a Linear) before the model is touched.
-    stored = read_stored_twins(stored_twins)  # a corrupted file raises here, before the model is touched
+    stored = read_stored_twins(stored_twins, quant_config)  # a corrupted file raises here, before the model is touched
     lm_head = _quantized_lm_head(model, quant_config, stored) if quant_config.quantize_lm_head else None
     from_store = stored.twins(layers, quant_config, progress) if stored is not None else {}
     river = River()  # river-wide state, shared by every RiverLayer of this river
@@ -70,6 +71,8 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
             fuse_shared_inputs(layer.twin, quant_config)
     if _runs_on_onnxruntime(wrapped, lm_head):
         ort_kernel.warn_if_openmp_spins()
+    if stored is not None:
+        stored.keep_packed()  # this machine's packed layout of the stored twins, for the next load
     for idx, layer in enumerate(wrapped):  # only now, with every twin built: an error above leaves no trace
         layers[idx] = layer
     if lm_head is not None:

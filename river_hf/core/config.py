@@ -31,7 +31,13 @@ DEFAULT_OFFLOAD_MAX_SHARE = 0.05  # "auto" offloads backbone layers run by fewer
 # SmolLM2 (benchmarks/README.md, "Twin precision per layer"): exited tokens always run the deepest layers on twins, so
 # precision belongs there; all-4-bit twins lose 12 pp of match at full quantization, all-8-bit ones 20% of the speed.
 AUTO_NBITS = "auto"
-LORA_TWINS = ("full_precision", "merged")  # a LoRA-adapted linear's twin (river_hf.core.adapters.twin_of_adapted)
+LORA_TWINS = ("full_precision", "merged")
+# How a saved river's load checks the backbone weights against its stored twins (river_hf.saving.twin_loading)
+VERIFY_TWINS = ("sampled", "full")
+# Fields that say how to load a saved river, not what its twins are: a RiverQuantConfig passed to from_pretrained for
+# a saved river sets these (those it sets to other than their default) on the saved config (transformers' "loading
+# attributes"); its other fields give way to the saved ones
+LOADING_FIELDS = ("backend", "activations", "verify_twins")  # a LoRA-adapted linear's twin (river_hf.core.adapters.twin_of_adapted)
 AUTO_SHALLOW_SHARE, AUTO_SHALLOW_BITS, AUTO_DEEP_BITS = 0.25, 4, 8
 
 
@@ -105,6 +111,15 @@ class RiverQuantConfig(QuantizationConfigMixin):
         metadata={"help": f"Bits of the quantized LM head, one of {SUPPORTED_NBITS} (used when quantize_lm_head). "
                   f"8 bits: one group per output row; fewer bits use `group_size`."},
     )
+    verify_twins: str = field(
+        default="sampled",
+        metadata={"help": f"Loading a saved river (its twins stored beside the checkpoint), one of {VERIFY_TWINS}: "
+                  f"'sampled' (the default) checks each backbone weight against the weight its twin was made from by "
+                  f"a fixed sample of 128 KiB of it, which tells another checkpoint or a fine-tuned weight apart but "
+                  f"may miss a few changed elements (the odds: docs/saved-rivers.md); 'full' reads every byte of "
+                  f"every weight, and also checks the twins file's tensors and the packed twins this machine keeps "
+                  f"against their checksums."},
+    )
     offload: str | None = field(
         default=None,
         metadata={"help": f"Backbone offloading after the build (river_hf.offload_backbone), one of "
@@ -149,6 +164,7 @@ class RiverQuantConfig(QuantizationConfigMixin):
             raise ValueError(f"`backend`={self.backend!r} quantizes activations to int8 (a fidelity cost); say so "
                              f"with activations='int8', or choose a weight-only backend.")
         self.lora_twins = check_choice("lora_twins", self.lora_twins, LORA_TWINS)
+        self.verify_twins = check_choice("verify_twins", self.verify_twins, VERIFY_TWINS)
         self.quant_method = check_choice("quant_method", self.quant_method, (RIVER_QUANT_METHOD,))
         if not is_int(self.start_layer) or self.start_layer < 1:
             raise ValueError(
@@ -308,6 +324,12 @@ class RiverQuantConfig(QuantizationConfigMixin):
 
     def to_dict(self) -> dict:
         return {name: _plain(getattr(self, name)) for name in self.__dataclass_fields__}
+
+    def get_loading_attributes(self) -> dict:
+        """The LOADING_FIELDS this config sets to other than their default (transformers applies them to a saved
+        river's own config when this one is passed to from_pretrained)."""
+        fields = self.__dataclass_fields__
+        return {name: getattr(self, name) for name in LOADING_FIELDS if getattr(self, name) != fields[name].default}
 
 
 def _plain(value):

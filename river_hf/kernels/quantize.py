@@ -88,14 +88,15 @@ class RiverQuantLinear(nn.Module):
     (G = in_features // group_size, 1 when group_size is None); `qweight` is the kernel's weight; `bias` is
     the original bias or None. Extra per backend: `scales_and_zeros` (int4 kernels), `kernel_scale` and
     `zero_shift` (int8 kernel). `source_fingerprint`: what the twin was made from (set by build_river,
-    `river_hf.saving.twin_files.fingerprint` of the linear it quantized), so a saved river can tell stale twins apart.
+    `river_hf.saving.twin_files.fingerprint` of the linear it quantized: its whole and sampled digests), so a saved
+    river can tell stale twins apart.
 
     Device moves: the packed weight is laid out for the device type (and, for `int4pack_cpu`, the CPU ISA) it was
     built on. `.to(dtype)` is harmless; moving between CPU and CUDA is not supported (forward raises): build the
     twin on the target device instead. Only the 'hqq' backend runs anywhere.
     """
 
-    source_fingerprint: str | None = None  # see the class docstring
+    source_fingerprint = None  # a twin_files.SourceFingerprint; see the class docstring
 
     def __init__(self, in_features: int, out_features: int, nbits: int, group_size: int | None, backend: str,
                  buffers: dict[str, torch.Tensor], bias: torch.Tensor | None = None):

@@ -15,6 +15,7 @@ import warnings
 import huggingface_hub
 from huggingface_hub.errors import RemoteEntryNotFoundError
 from transformers.quantizers import HfQuantizer
+from transformers.quantizers import auto as quantizer_registry
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -25,7 +26,8 @@ from transformers.quantizers.auto import (
 from ..core.config import RIVER_QUANT_METHOD, RiverQuantConfig
 from ..offload.backbone import offload_backbone
 from ..core.build import build_river
-from .twin_files import TWINS_FILE, StoredTwins, StoredTwinsError
+from .twin_files import TWINS_FILE, StoredTwinsError
+from .twin_loading import StoredTwins
 
 
 class RiverHfQuantizer(HfQuantizer):
@@ -36,7 +38,8 @@ class RiverHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         # Twins saved beside the checkpoint (save_pretrained(..., save_twins=True)) are read and checked now: a
         # corrupted file fails before the backbone's weights are loaded, and nothing is half built.
-        self.stored_twins = StoredTwins.next_to(checkpoint_files) or _twins_from_hub(checkpoint_files)
+        config = self.quantization_config
+        self.stored_twins = StoredTwins.next_to(checkpoint_files, config) or _twins_from_hub(checkpoint_files, config)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -65,7 +68,7 @@ class RiverHfQuantizer(HfQuantizer):
         return True
 
 
-def _twins_from_hub(checkpoint_files) -> StoredTwins | None:
+def _twins_from_hub(checkpoint_files, quant_config) -> StoredTwins | None:
     """A river pushed to the hub (`push_to_hub`): transformers downloads its weights and config, not the twins file.
     When the checkpoint is a hub snapshot whose config.json names the river quantizer, fetch the twins file of the
     same revision; a repo without one, or a fetch that fails (offline: with a warning), leaves the twins to HQQ."""
@@ -75,7 +78,7 @@ def _twins_from_hub(checkpoint_files) -> StoredTwins | None:
     repo_id, revision, cache_dir = repo
     try:
         return StoredTwins.read(huggingface_hub.hf_hub_download(repo_id, TWINS_FILE, revision=revision,
-                                                                cache_dir=cache_dir))
+                                                                cache_dir=cache_dir), quant_config)
     except RemoteEntryNotFoundError:
         return None
     except StoredTwinsError:  # downloaded but damaged: refused like a local file
@@ -110,3 +113,8 @@ def register_with_transformers() -> None:
         register_quantization_config(RIVER_QUANT_METHOD)(RiverQuantConfig)
     if RIVER_QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(RIVER_QUANT_METHOD)(RiverHfQuantizer)
+    # transformers' loading attributes: a config passed to from_pretrained for a saved (pre-quantized) model gives way
+    # to the saved one except for the fields `get_loading_attributes` names. Only the configs in this tuple take
+    # part, and transformers has no function to add one: the tuple is extended, once.
+    if RiverQuantConfig not in quantizer_registry.LOADING_ATTRIBUTES_CONFIG_TYPES:
+        quantizer_registry.LOADING_ATTRIBUTES_CONFIG_TYPES += (RiverQuantConfig,)

@@ -1,10 +1,13 @@
 """What makes a twins file trustworthy: an exact, cheap identity of each stored tensor (`checksum`, and `digest`
 for the weights twins were made from), a digest of the record that says which twin is stored where, and a check of
 that record's structure. A file that fails any of them is refused (twin_files.StoredTwinsError), never half used.
+`sampled_digest` is the identity a load checks backbone weights with by default: a fixed, strided sample of their
+bytes (the odds of a missed change are in docs/saved-rivers.md).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -13,6 +16,10 @@ import torch
 from ..kernels.quantize import SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS
 
 _SAMPLE_STRIDE = 7919  # a prime: row i is sampled at column (i * 7919) mod K, so every row and column is reached
+# sampled_digest reads this many runs of this many bytes per tensor (all of a smaller one): 128 KiB, a handful of
+# pages, wherever the tensor is large. Runs of whole pages, not scattered elements: a plain load maps the checkpoint
+# and touches nothing, and each page first read costs a fault (~4 µs here), so the pages read are the cost.
+SAMPLED_RUNS, SAMPLED_RUN_BYTES = 32, 4096
 _INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 ENTRY_FIELDS = {"key", "nbits", "group_size", "shape", "packed", "bias", "fingerprint"}
 
@@ -29,6 +36,41 @@ def digest(tensor: torch.Tensor) -> str:
     sample = _elements(bits, row * cols + (row * _SAMPLE_STRIDE) % cols)
     sample_hash = hashlib.blake2b(sample.tobytes(), digest_size=8).hexdigest()
     return f"{str(data.dtype).removeprefix('torch.')}:{list(data.shape)}:{_checksum(raw)}:{sample_hash}"
+
+
+def sampled_digest(tensor: torch.Tensor) -> str:
+    """dtype, shape and a position-weighted word sum of each of SAMPLED_RUNS runs of SAMPLED_RUN_BYTES bytes at
+    evenly spaced offsets (the same offsets for the same shape and dtype; the first run at the start, the last at the
+    end), or of every byte of a tensor no larger than that. Reads 128 KiB of any tensor: it tells another checkpoint,
+    a fine-tuned or a merged weight from the one a twin was made from, and any change inside the sample, but not a
+    lone element changed outside it (`digest` reads every byte). A changed word in a run always changes that run's
+    sum: each word is multiplied by its own odd weight, which is invertible modulo 2^64."""
+    data = tensor.detach()
+    _, raw = _bytes(data)
+    size = raw.numel()
+    if size <= SAMPLED_RUNS * SAMPLED_RUN_BYTES:
+        starts, run_bytes = [0], size // 8 * 8
+    else:
+        step = (size - SAMPLED_RUN_BYTES) // (SAMPLED_RUNS - 1) // 8 * 8
+        starts, run_bytes = [index * step for index in range(SAMPLED_RUNS)], SAMPLED_RUN_BYTES
+    sample = raw[:starts[-1] + run_bytes] if raw.device.type == "cpu" else \
+        torch.cat([raw[start:start + run_bytes] for start in starts]).cpu()
+    words = sample.numpy().view(np.uint64) if run_bytes else np.zeros(0, dtype=np.uint64)
+    if raw.device.type == "cpu" and len(starts) > 1:  # the runs as rows of a view of the tensor's words: no copy
+        runs = np.lib.stride_tricks.as_strided(words, (len(starts), run_bytes // 8), (starts[1], 8), writeable=False)
+    else:
+        runs = words.reshape(len(starts), run_bytes // 8)
+    sums = (runs * _word_weights(run_bytes // 8)).sum(axis=1, dtype=np.uint64)
+    tail = raw[size // 8 * 8:].cpu().numpy().tobytes() if size <= SAMPLED_RUNS * SAMPLED_RUN_BYTES else b""
+    sample_hash = hashlib.blake2b(sums.tobytes() + tail, digest_size=8).hexdigest()
+    return f"{str(data.dtype).removeprefix('torch.')}:{list(data.shape)}:sampled:{size}:{sample_hash}"
+
+
+@functools.lru_cache(maxsize=8)
+def _word_weights(count: int) -> np.ndarray:
+    """`count` distinct odd 64-bit weights (odd: multiplying by one is a bijection modulo 2^64)."""
+    with np.errstate(over="ignore"):
+        return (np.arange(count, dtype=np.uint64) * np.uint64(2) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
 
 
 def checksum(tensor: torch.Tensor) -> str:
@@ -89,8 +131,9 @@ def record_problem(record: dict) -> str | None:
         entries += [(f"layers.{idx}.{name}", entry) for name, entry in layer["linears"].items()]
     if head is not None:
         entries.append(("lm_head", head.get("linear")))
+    fields = ENTRY_FIELDS | ({"sampled_fingerprint"} if record.get("format", 0) >= 5 else set())
     for key, entry in entries:
-        if not isinstance(entry, dict) or not ENTRY_FIELDS <= entry.keys() or entry["key"] != key:
+        if not isinstance(entry, dict) or not fields <= entry.keys() or entry["key"] != key:
             return f"the entry of `{key}`"
         if entry["nbits"] not in SUPPORTED_NBITS or entry["group_size"] not in SUPPORTED_GROUP_SIZES:
             return f"`{key}` stored with nbits={entry['nbits']!r}, group_size={entry['group_size']!r}"
