@@ -7,12 +7,12 @@ import torch
 from transformers import DynamicCache
 
 import river_hf
-from river_hf import RiverConfig
+from river_hf import RiverCache, RiverConfig
 from river_hf.core import kv_strategies as strategies_module
 from river_hf.core.generation import new_river_cache
 from river_hf.core.kv_strategies import strategy_names
 
-from conftest import ARCHITECTURES, NUM_LAYERS as LAYERS, decoded_depths, generate, river_of, tiny_model
+from conftest import ARCHITECTURES, NUM_LAYERS as LAYERS, count_calls, decoded_depths, generate, river_of, tiny_model
 
 FULL_ATTENTION_ONLY = ("recompute", "mask")
 QUANT = dict(start_layer=1, group_size=32)
@@ -58,10 +58,22 @@ def test_baselines_run_the_prompt_on_the_full_backbone(strategy, prompt_ids):
 
 def test_profile_splits_backbone_and_skipped_time(prompt_ids):
     model = river_of(tiny_model(), **QUANT)
-    cache = new_river_cache(model, RiverConfig(tau=-1, exit_signal="cosine").river_settings())
-    cache.profile = True
-    model.generate(prompt_ids, max_new_tokens=8, do_sample=False, cache=cache)
+    cache = RiverCache(config=model.config, profile=True)  # generate hands it its run and it keeps profiling
+    model.generate(prompt_ids, max_new_tokens=8, do_sample=False, cache=cache, tau=-1, exit_signal="cosine")
+    assert cache.run.router is not None and cache.profile
     assert cache.seconds["backbone"] > 0 and cache.seconds["skipped"] > 0
+
+
+def test_a_cache_holds_one_run_and_a_backbone_pass_restores_it(prompt_ids):
+    model = river_of(tiny_model(), **QUANT)
+    cache = new_river_cache(model, RiverConfig(tau=-1, exit_signal="cosine").river_settings())
+    run = cache.run
+    assert (cache.router, cache.strategy, cache.profile) == (run.router, run.strategy, False)
+    with cache.backbone_pass():
+        assert cache.router is None and cache.strategy is run.strategy
+    assert cache.run is run
+    with pytest.raises(AttributeError):
+        cache.router = None  # the run is the one place the call's decisions live
 
 
 def test_min_exit_layer_too_deep_is_a_clear_error(prompt_ids):
@@ -107,10 +119,15 @@ def test_recompute_fills_every_hole_with_the_backbones_exact_kv(padded, prompt_i
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"{name} of layer {idx}")
 
 
-def test_recompute_refuses_beam_search_once_tokens_wait(prompt_ids):
+def test_recompute_refuses_beam_search_before_anything_runs(prompt_ids):
     model = river_of(tiny_model(), **QUANT)
-    with pytest.raises(NotImplementedError, match="recompute.*beam"):
+    calls = count_calls(model)
+    with pytest.raises(ValueError, match="`kv_strategy`='recompute'.*num_beams=2"):
         generate(model, prompt_ids, kv_strategy="recompute", **RANDOM_EXITS, num_beams=2, max_new_tokens=12)
+    assert calls == [0]
+    model.generation_config.num_beams = 2  # the model's own default counts too
+    with pytest.raises(ValueError, match="num_beams=2"):
+        generate(model, prompt_ids, kv_strategy="recompute", **RANDOM_EXITS, max_new_tokens=12)
 
 
 # ---------------------------------------------------------------- state propagation

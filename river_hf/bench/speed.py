@@ -76,8 +76,7 @@ def time_generate(model, inputs: dict, generation_config, profile: bool = False)
     extra = {}
     # generate gives the profiled cache its router and strategy; a static cache's steps are captured, not profiled
     if profile and isinstance(generation_config, RiverConfig) and generation_config.cache_implementation is None:
-        extra["cache"] = RiverCache(config=model.config.get_text_config(decoder=True))
-        extra["cache"].profile = True
+        extra["cache"] = RiverCache(config=model.config.get_text_config(decoder=True), profile=True)
     out = model.generate(**inputs, generation_config=generation_config, streamer=clock, **extra)
     times = [t - clock.start for t in clock.token_times]
     decode_s = times[-1] - times[0] if len(times) > 1 else float("nan")

@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.utils import ModelOutput
 
-from .kv_cache import ExitRecord, RiverCache
+from .kv_cache import ExitRecord, RiverCache, RiverRun
 from .captured_decode import (STATIC_IMPLEMENTATIONS, CapturedDecode, check_passed_static_cache, check_static_river,
     requested_setting, static_cache_settings, static_river_cache)
 from .config import RiverQuantConfig
@@ -26,7 +26,7 @@ from .auto_tau import FULL_EXIT, NEVER_EXITS, ExitGain, auto_settings, measure_e
 from ..lossless.decode import LosslessCache, lossless_generate_kwargs
 from .exit_decision import ExitRouter
 from .settings import AUTO_TAU, RIVER_FIELDS, RiverSettings, river_field_defaults, river_fields_doc
-from .kv_strategies import make_strategy
+from .kv_strategies import check_beam_search, make_strategy
 from ..saving import twin_files as twin_store
 
 class RiverConfig(GenerationConfig):
@@ -141,6 +141,8 @@ class RiverGenerationMixin:
         implementation = requested_setting("cache_implementation", generation_config, kwargs,
                                            self.generation_config)
         check_static_river(self, settings, implementation)
+        check_beam_search(settings.kv_strategy,
+                          requested_setting("num_beams", generation_config, kwargs, self.generation_config))
         if implementation in STATIC_IMPLEMENTATIONS and kwargs.get("cache", kwargs.get("past_key_values")) is None:
             # transformers sizes the static cache; `_prepare_static_cache` below makes it this call's river cache
             with static_cache_settings(settings):
@@ -259,9 +261,10 @@ def new_river_cache(model, settings: RiverSettings, attention_mask=None, cache: 
     router = ExitRouter(settings, start_layer=start_layer, num_layers=len(layers))
     router.min_depth = _min_exit_depth(settings, strategy, start_layer, len(layers))
     router.prompt_mask = attention_mask
+    run = RiverRun(router=router, strategy=strategy)
     if cache is None:
-        cache = RiverCache(config=text_config, num_layers=len(layers))
-    cache.router, cache.num_layers, cache.strategy = router, len(layers), strategy
+        return RiverCache(config=text_config, run=run)
+    cache.start_run(run)
     return cache
 
 

@@ -1,5 +1,6 @@
 """`RiverCache` / `RiverStaticCache`: the KV slots (HF's `DynamicCache` / `StaticCache`) plus the per-position exit
-record (`ExitRecord`, one implementation shared by both).
+record (`ExitRecord`, one implementation shared by both), and `RiverRun`: what one generate call decided before its
+first step (the exit router, the KV strategy, whether to profile), handed to the cache when the call starts.
 
 Backbone layer l and its twin share cache slot l, so every layer writes K/V for every position whatever the exit
 pattern: the cache stays complete. The exit record says, per position, how many backbone layers ran
@@ -8,6 +9,9 @@ repeat/select, crop), so `exit_depth[b, t]` always describes the K/V at `[b, :, 
 """
 
 from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache, StaticCache
@@ -20,23 +24,62 @@ class KVIntegrityError(AssertionError):
     """A layer of the cache is missing positions: early exit left a hole ("KV cache absence")."""
 
 
+@dataclasses.dataclass(frozen=True)
+class RiverRun:
+    """One river call's decisions, made once before its first step (`core.generation.new_river_cache`) and read by
+    every layer through the cache: `router` decides each step's exit depth (None: every layer runs its backbone
+    layer, a plain pass), `strategy` what a skipped layer does, `profile` whether layers add their wall time to the
+    cache's `seconds` (a clock read per layer, decode steps only)."""
+
+    router: ExitRouter | None = None
+    strategy: KVStrategy | None = None
+    profile: bool = False
+
+
 class ExitRecord:
-    """What makes a HF cache a river's: the call's exit router and KV strategy, and each position's exit depth.
+    """What makes a HF cache a river's: the call's `RiverRun` and each position's exit depth.
 
     Mixed in front of a HF cache class (`RiverCache`, `RiverStaticCache`); `_init_exit_record` sets it up."""
 
-    def _init_exit_record(self, router: ExitRouter | None, num_layers: int | None) -> None:
-        self.router = router
+    def _init_exit_record(self, run: RiverRun | None, num_layers: int | None, profile: bool) -> None:
+        self.run = run if run is not None else RiverRun(profile=profile)
+        router = self.run.router
         self.num_layers = num_layers if num_layers is not None else getattr(router, "num_layers", None)
         self._depth_chunks: list[torch.Tensor] = []  # each [B, T_step]; concatenated lazily
         self._recorded = 0  # their total length: read by every layer of every step, so kept, not summed
         self.prompt_length = 0  # positions written by the first (prefill) step
-        self.strategy: KVStrategy | None = None  # what skipped layers do (set with the router by new_river_cache)
-        self.profile = False  # when True, layers add their wall time to `seconds` (costs a clock read per layer)
         self.seconds: dict[str, float] = {"backbone": 0.0, "skipped": 0.0}
         # A captured decode step's exit depth, fixed before the step starts (river_hf.core.captured_decode); None in eager steps.
         # The RiverLayers read it inside the compiled graph, where dynamo specialises on it: one graph per depth.
         self.planned_depth: int | None = None
+
+    def start_run(self, run: RiverRun) -> None:
+        """Hand this cache the run of the call about to use it (a cache the caller or transformers made); a cache
+        made to profile (`RiverCache(profile=True)`) keeps profiling."""
+        self.run = dataclasses.replace(run, profile=run.profile or self.run.profile)
+        self.num_layers = run.router.num_layers
+
+    @contextmanager
+    def backbone_pass(self):
+        """Inside the block, passes over this cache are plain backbone passes (no router): lossless verification."""
+        run = self.run
+        self.run = dataclasses.replace(run, router=None)
+        try:
+            yield
+        finally:
+            self.run = run
+
+    @property
+    def router(self) -> ExitRouter | None:
+        return self.run.router
+
+    @property
+    def strategy(self) -> KVStrategy | None:
+        return self.run.strategy
+
+    @property
+    def profile(self) -> bool:
+        return self.run.profile
 
     def add_time(self, part: str, seconds: float) -> None:
         """Wall time of one layer call, by part: "backbone" (incl. recompute's catch-up) or "skipped" (twin/K-V)."""
@@ -141,9 +184,10 @@ class ExitRecord:
 class RiverCache(ExitRecord, DynamicCache):
     """A `DynamicCache` that carries the exit router of one `generate` call and records each position's exit depth."""
 
-    def __init__(self, config=None, router: ExitRouter | None = None, num_layers: int | None = None, **kwargs):
+    def __init__(self, config=None, run: RiverRun | None = None, num_layers: int | None = None,
+                 profile: bool = False, **kwargs):
         super().__init__(config=config, **kwargs)
-        self._init_exit_record(router, num_layers)
+        self._init_exit_record(run, num_layers, profile)
 
 
 class RiverStaticCache(ExitRecord, StaticCache):
@@ -151,10 +195,10 @@ class RiverStaticCache(ExitRecord, StaticCache):
     the exit record. `generate(..., cache_implementation="static")` on a river makes one (sized by transformers);
     backbone layer l and its twin write slot l at the same running position, so the slots stay aligned."""
 
-    def __init__(self, config, max_cache_len: int, router: ExitRouter | None = None, num_layers: int | None = None,
-                 **kwargs):
+    def __init__(self, config, max_cache_len: int, run: RiverRun | None = None, num_layers: int | None = None,
+                 profile: bool = False, **kwargs):
         super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
-        self._init_exit_record(router, num_layers)
+        self._init_exit_record(run, num_layers, profile)
         self.max_cache_len = max_cache_len
 
 

@@ -36,6 +36,7 @@ class KVStrategy:
 
     name = ""
     runs_prompt_on_backbone = False
+    follows_beam_search = True  # False: per-row state that beam reordering would scramble (refused up front)
 
     def __init__(self, layers, model_config=None):
         self.layers = layers  # the model's RiverLayers, in order
@@ -165,6 +166,7 @@ class Recompute(KVStrategy):
     run, they run it too, batched with that token, so their K/V there is the backbone's own (exact, only late)."""
 
     name = "recompute"
+    follows_beam_search = False
     runs_prompt_on_backbone = True
 
     def __init__(self, layers, model_config=None):
@@ -240,6 +242,13 @@ def strategy_names() -> tuple[str, ...]:
 def make_strategy(name: str, layers, model_config=None) -> KVStrategy:
     check_choice("kv_strategy", name, strategy_names())
     return STRATEGIES[name](layers, model_config)
+
+
+def check_beam_search(name: str, num_beams: int | None) -> None:
+    """Refuse, before generation starts, a beam search the strategy `name` cannot follow."""
+    if (num_beams or 1) > 1 and not STRATEGIES[name].follows_beam_search:
+        raise ValueError(f"`kv_strategy`='{name}' keeps exited tokens' states per batch row and does not follow "
+                         f"beam search (got num_beams={num_beams}); use num_beams=1, or another kv_strategy.")
 
 
 # ---------------------------------------------------------------- helpers: layer inputs and masks

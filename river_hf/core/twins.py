@@ -49,12 +49,13 @@ class RiverLayer(nn.Module):
             # a river pass's first step: a twin built from peft adapters that have changed since is an error, not
             # drift (here, not in river_layers: remove_river must still work on such a model)
             check_unchanged(self)
-        router, strategy = cache.router, cache.strategy or _RIVER
+        run = cache.run
+        router, strategy = run.router, run.strategy or _RIVER
         if self.layer_idx == 0:
             router.begin_step(hidden_states.shape[1], is_first_step=cache.recorded_length == 0)
             strategy.begin_step(cache, router)
         # profiling covers decode steps only: per-token costs, as the bench reports them
-        started = _clock(hidden_states) if cache.profile and not router.is_prefill else None
+        started = _clock(hidden_states) if run.profile and not router.is_prefill else None
         if router.exited:  # the strategy decides what a skipped layer does (the river: its twin)
             output = strategy.run_skipped(self, hidden_states, args, kwargs, cache)
             part = "skipped"

@@ -107,12 +107,8 @@ def backbone_pass(cache: RiverCache, num_tokens: int, device):
     """The pass inside the block is a plain backbone pass writing into the same cache: without its router the
     layers run their backbone layer directly (no dispatch, no signal, the original LM head), as plain generate does;
     its positions are recorded at depth num_layers afterwards."""
-    router = cache.router
-    cache.router = None
-    try:
+    with cache.backbone_pass():
         yield
-    finally:
-        cache.router = router
     cache.record_step(cache.num_layers, 1, num_tokens, device)
 
 
