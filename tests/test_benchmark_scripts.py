@@ -162,4 +162,9 @@ def test_context_length_script_times_matches_and_weighs_both_systems(saved_tiny_
     memory = record["memory"]
     assert memory["backbone"]["peak_bytes"] > 0 and memory["river"]["twin_bytes"] > 0
     assert memory["river"]["kv_bytes"] > 0 and memory["river_peak_vs_backbone_plus_twins"] > 0
+    assert memory["backbone"]["peak_anon_bytes"] >= memory["backbone"]["anon_before_bytes"] > 0
+    assert memory["river_anon_vs_backbone_plus_twins"] > 0
+    checks = record["checks"]
+    assert checks["length"] == 48 and checks["tau_above_1_is_backbone"] and checks["lossless_is_backbone"]
+    assert checks["kv_integrity_errors"] == [] and len(set(checks["decoded_exit_depths"])) >= 2
     assert (tmp_path / "record.json").is_file() and "| 48 |" in capsys.readouterr().out
