@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -168,3 +169,12 @@ def test_context_length_script_times_matches_and_weighs_both_systems(saved_tiny_
     assert checks["length"] == 48 and checks["tau_above_1_is_backbone"] and checks["lossless_is_backbone"]
     assert checks["kv_integrity_errors"] == [] and len(set(checks["decoded_exit_depths"])) >= 2
     assert (tmp_path / "record.json").is_file() and "| 48 |" in capsys.readouterr().out
+
+
+def test_context_length_script_cuts_prompts_to_the_models_positions(capsys):
+    fitted_lengths = load_script("context_length").fitted_lengths
+    config = SimpleNamespace(max_position_embeddings=8192)
+    assert fitted_lengths([128, 8192], config, 32) == [128, 8160]  # 8160 prompt + 32 new tokens = 8192 positions
+    assert "cut to [128, 8160]" in capsys.readouterr().out
+    assert fitted_lengths([128, 2048], config, 32) == [128, 2048]
+    assert fitted_lengths([9000], SimpleNamespace(), 32) == [9000]  # a model that names no limit keeps its lengths

@@ -161,6 +161,19 @@ def print_tables(record: dict) -> None:
                   f"cache {memory['river']['kv_bytes'] / 2**20:.0f} MiB): river / (backbone + twins) = {ratio:.3f}")
 
 
+def fitted_lengths(lengths: list[int], config, new_tokens: int) -> list[int]:
+    """`lengths`, each cut so that prompt + new tokens fit the model's positions (SmolLM2: 8192 in all): past them a
+    model runs on positions it was never trained on, and transformers warns that it may fail."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is None:
+        return lengths
+    fitted = [min(length, positions - new_tokens) for length in lengths]
+    if fitted != lengths:
+        print(f"prompt lengths {lengths} cut to {fitted}: the model has {positions} positions and each prompt is "
+              f"followed by {new_tokens} new tokens")
+    return fitted
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 2048, 8192])
@@ -181,6 +194,7 @@ def main(argv=None) -> dict:
         return {}
 
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=torch.bfloat16)
+    args.lengths = fitted_lengths(args.lengths, model.config, args.new_tokens)
     build_river_cached(model, RiverQuantConfig(), progress=False)
     record = {"machine": cpu_description(), "torch": torch.__version__, "tau": args.tau,
               "exit_signal": RiverSettings().exit_signal, "new_tokens": args.new_tokens, "rounds": args.rounds,
