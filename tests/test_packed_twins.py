@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 import river_hf
 from river_hf import RiverQuantConfig
 from river_hf.kernels.quantize import RiverQuantLinear
-from river_hf.saving import packed_cache, twin_loading
-from river_hf.saving.integrity import SAMPLED_RUN_BYTES, SAMPLED_RUNS, digest, sampled_digest
+from river_hf.saving import packed_cache, twin_files, twin_loading
+from river_hf.saving.integrity import SAMPLED_LAYOUT, digest, sampled_digest, sampled_layout
 from river_hf.saving.twin_files import TWINS_FILE, StoredTwinsError, TwinsMismatchWarning
 
 from test_saved_river import (MIXED_SCHEDULE, assert_same_river, corrupt, loaded_river, saved_backbone, saved_river,
@@ -151,10 +151,11 @@ def test_no_cache_folder_keeps_nothing_and_an_unwritable_one_only_warns(tmp_path
 
 def unsampled_element(weight: torch.Tensor) -> tuple[int, int]:
     """(row, column) of an element that lies in none of sampled_digest's runs."""
+    runs, run_bytes = SAMPLED_LAYOUT
     size = weight.numel() * weight.element_size()
-    step = (size - SAMPLED_RUN_BYTES) // (SAMPLED_RUNS - 1)
-    assert step > 2 * SAMPLED_RUN_BYTES, "the weight must be larger than the sample"
-    flat = (SAMPLED_RUN_BYTES + step // 2) // weight.element_size()
+    step = (size - run_bytes) // (runs - 1)
+    assert step > 2 * run_bytes, "the weight must be larger than the sample"
+    flat = (run_bytes + step // 2) // weight.element_size()
     return divmod(flat, weight.shape[1])
 
 
@@ -203,6 +204,38 @@ def test_a_changed_weight_is_caught_by_sample_and_a_lone_element_by_full_verific
             loaded = AutoModelForCausalLM.from_pretrained(folder, quantization_config=RiverQuantConfig(
                 verify_twins="full"))
     assert hqq_calls[0] == 7 and loaded.config.quantization_config.verify_twins == "full"
+
+
+def stored_sampled_fingerprints(folder: str) -> list[str]:
+    record = twin_loading.StoredTwins.read(folder).record
+    return [entry["sampled_fingerprint"] for layer in record["layers"].values() for entry in layer["linears"].values()]
+
+
+def test_a_file_sampled_with_the_first_layout_still_verifies_and_still_catches_a_change(cache, tmp_path, hqq_calls,
+                                                                                      monkeypatch):
+    first_layout = (32, 4096)  # what format-5 files written before the layout was named hold, tagged "sampled"
+    assert sampled_layout(sampled_digest(torch.zeros(9), first_layout)) == first_layout
+    assert sampled_layout(sampled_digest(torch.zeros(9))) == SAMPLED_LAYOUT != first_layout
+    assert sampled_layout("float32:[9]:sampled7:36:00") is None and sampled_layout("no digest") is None
+    written_then = twin_files.sampled_fingerprint
+    folder = str(tmp_path / "river")
+    with monkeypatch.context() as written_before:
+        written_before.setattr(twin_files, "sampled_fingerprint", lambda linear: written_then(linear, first_layout))
+        loaded_river(saved_backbone(tmp_path, intermediate_size=2048)).save_pretrained(folder)
+    assert all(":sampled:" in stored for stored in stored_sampled_fingerprints(folder))
+    hqq_calls[0] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TwinsMismatchWarning)
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert hqq_calls[0] == 0
+    path = os.path.join(folder, "model.safetensors")
+    weights = load_file(path)
+    name = "model.layers.3.mlp.down_proj.weight"
+    weights[name] = weights[name] + 1e-3 * torch.randn_like(weights[name])
+    save_file(weights, path, metadata={"format": "pt"})
+    with pytest.warns(TwinsMismatchWarning, match=r"layer 3: the backbone weights differ .*down_proj"):
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert hqq_calls[0] == 7
 
 
 def test_verify_twins_is_checked_by_the_config():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 
 import numpy as np
 import torch
@@ -17,9 +18,13 @@ from ..kernels.quantize import SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS
 
 _SAMPLE_STRIDE = 7919  # a prime: row i is sampled at column (i * 7919) mod K, so every row and column is reached
 # sampled_digest reads this many runs of this many bytes per tensor (all of a smaller one): 128 KiB, a handful of
-# pages, wherever the tensor is large. Runs of whole pages, not scattered elements: a plain load maps the checkpoint
-# and touches nothing, and each page first read costs a fault (~4 µs here), so the pages read are the cost.
-SAMPLED_RUNS, SAMPLED_RUN_BYTES = 32, 4096
+# pages, wherever the tensor is large. Runs of several pages, not scattered elements: a plain load maps the checkpoint
+# and touches nothing, and each page first read costs a fault, so the pages read and the faults taken are the cost
+# (8 runs of 16 KiB read the same bytes as 32 of 4 KiB in half the time: 20 vs 42 ms over the 1B shape's 113
+# weights in a fresh process, benchmarks/README.md). The layout is written into the digest ("sampled8x16384"), so
+# a file keeps verifying when it changes; format-5 files written before it say "sampled", which meant 32 x 4 KiB.
+SAMPLED_LAYOUT = (8, 16384)
+_FIRST_SAMPLED_LAYOUT = (32, 4096)
 _INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 ENTRY_FIELDS = {"key", "nbits", "group_size", "shape", "packed", "bias", "fingerprint"}
 
@@ -38,21 +43,22 @@ def digest(tensor: torch.Tensor) -> str:
     return f"{str(data.dtype).removeprefix('torch.')}:{list(data.shape)}:{_checksum(raw)}:{sample_hash}"
 
 
-def sampled_digest(tensor: torch.Tensor) -> str:
-    """dtype, shape and a position-weighted word sum of each of SAMPLED_RUNS runs of SAMPLED_RUN_BYTES bytes at
-    evenly spaced offsets (the same offsets for the same shape and dtype; the first run at the start, the last at the
-    end), or of every byte of a tensor no larger than that. Reads 128 KiB of any tensor: it tells another checkpoint,
-    a fine-tuned or a merged weight from the one a twin was made from, and any change inside the sample, but not a
-    lone element changed outside it (`digest` reads every byte). A changed word in a run always changes that run's
-    sum: each word is multiplied by its own odd weight, which is invertible modulo 2^64."""
+def sampled_digest(tensor: torch.Tensor, layout: tuple[int, int] = SAMPLED_LAYOUT) -> str:
+    """dtype, shape and a position-weighted word sum of each of `layout` = (runs, run bytes) runs at evenly spaced
+    offsets (the same offsets for the same shape and dtype; the first run at the start, the last at the end), or of
+    every byte of a tensor no larger than that. Reads 128 KiB of any tensor: it tells another checkpoint, a
+    fine-tuned or a merged weight from the one a twin was made from, and any change inside the sample, but not a lone
+    element changed outside it (`digest` reads every byte). A changed word in a run always changes that run's sum:
+    each word is multiplied by its own odd weight, which is invertible modulo 2^64."""
+    run_count, run_size = layout
     data = tensor.detach()
     _, raw = _bytes(data)
     size = raw.numel()
-    if size <= SAMPLED_RUNS * SAMPLED_RUN_BYTES:
+    if size <= run_count * run_size:
         starts, run_bytes = [0], size // 8 * 8
     else:
-        step = (size - SAMPLED_RUN_BYTES) // (SAMPLED_RUNS - 1) // 8 * 8
-        starts, run_bytes = [index * step for index in range(SAMPLED_RUNS)], SAMPLED_RUN_BYTES
+        step = (size - run_size) // (run_count - 1) // 8 * 8
+        starts, run_bytes = [index * step for index in range(run_count)], run_size
     sample = raw[:starts[-1] + run_bytes] if raw.device.type == "cpu" else \
         torch.cat([raw[start:start + run_bytes] for start in starts]).cpu()
     words = sample.numpy().view(np.uint64) if run_bytes else np.zeros(0, dtype=np.uint64)
@@ -61,9 +67,23 @@ def sampled_digest(tensor: torch.Tensor) -> str:
     else:
         runs = words.reshape(len(starts), run_bytes // 8)
     sums = (runs * _word_weights(run_bytes // 8)).sum(axis=1, dtype=np.uint64)
-    tail = raw[size // 8 * 8:].cpu().numpy().tobytes() if size <= SAMPLED_RUNS * SAMPLED_RUN_BYTES else b""
+    tail = raw[size // 8 * 8:].cpu().numpy().tobytes() if size <= run_count * run_size else b""
     sample_hash = hashlib.blake2b(sums.tobytes() + tail, digest_size=8).hexdigest()
-    return f"{str(data.dtype).removeprefix('torch.')}:{list(data.shape)}:sampled:{size}:{sample_hash}"
+    tag = "sampled" if layout == _FIRST_SAMPLED_LAYOUT else f"sampled{run_count}x{run_size}"
+    return f"{str(data.dtype).removeprefix('torch.')}:{list(data.shape)}:{tag}:{size}:{sample_hash}"
+
+
+def sampled_layout(sampled: str) -> tuple[int, int] | None:
+    """The (runs, run bytes) a stored sampled digest (or fingerprint: digests joined by "|") was taken with, or None
+    when it is not one."""
+    fields = sampled.split("|")[0].split(":")
+    tag = fields[2] if len(fields) == 5 else ""
+    if tag == "sampled":
+        return _FIRST_SAMPLED_LAYOUT
+    match = re.fullmatch(r"sampled(\d{1,3})x(\d{1,9})", tag)
+    if match is None or int(match[1]) < 2 or int(match[2]) % 8:
+        return None
+    return int(match[1]), int(match[2])
 
 
 @functools.lru_cache(maxsize=8)

@@ -32,7 +32,7 @@ from ..core.adapters import stored_linear_name
 from ..core.twins import river_layers, twin_linears
 from ..core.lm_head import river_lm_head
 from ..kernels.quantize import RiverQuantLinear
-from .integrity import checksum, digest, record_digest, sampled_digest
+from .integrity import SAMPLED_LAYOUT, checksum, digest, record_digest, sampled_digest
 
 TWINS_FILE = "river_twins.safetensors"
 METADATA_KEY = "river_twins"
@@ -72,8 +72,9 @@ def fingerprint(linear: nn.Linear) -> SourceFingerprint:
     return SourceFingerprint("|".join(map(digest, _sources(linear))), sampled_fingerprint(linear))
 
 
-def sampled_fingerprint(linear: nn.Linear) -> str:
-    return "|".join(map(sampled_digest, _sources(linear)))
+def sampled_fingerprint(linear: nn.Linear, layout: tuple[int, int] = SAMPLED_LAYOUT) -> str:
+    """The sampled digests of the weight (and bias), each read with `layout` (integrity.sampled_digest)."""
+    return "|".join(sampled_digest(source, layout) for source in _sources(linear))
 
 
 def _sources(linear: nn.Linear) -> list[torch.Tensor]:

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from ..core.adapters import stored_linear_name
 from ..core.twins import make_twin
 from ..kernels.quantize import RiverQuantLinear
-from .integrity import checksum, digest, record_digest, record_problem
+from .integrity import checksum, digest, record_digest, record_problem, sampled_layout
 from .packed_cache import entry_key, read_packed, write_packed
 from .twin_files import (METADATA_KEY, READ_FORMATS, RECORD_DIGEST_KEY, TWINS_FILE, SourceFingerprint,
                          TwinsMismatchWarning, fingerprint, sampled_fingerprint, unpack_codes, unusable_file_error)
@@ -202,13 +202,16 @@ class StoredTwins:
 
     @staticmethod
     def _checked_source(entry: dict, source: nn.Linear, verify: str) -> SourceFingerprint:
-        """`source`'s fingerprint, after checking it against the entry's: the sampled one unless `verify` is "full"
-        or the file (format < 5) has none. _Mismatch when it differs."""
-        if verify == "full" or "sampled_fingerprint" not in entry:
+        """`source`'s fingerprint, after checking it against the entry's: the sampled one, read with the layout it was
+        stored with, unless `verify` is "full", or the file (format < 5) has none, or its layout is not one river_hf
+        writes (then the whole digest decides). _Mismatch when it differs."""
+        stored = entry.get("sampled_fingerprint")
+        layout = sampled_layout(stored) if verify != "full" and isinstance(stored, str) else None
+        if layout is None:
             now = fingerprint(source)
             stored, seen = entry["fingerprint"], now.full
         else:
-            stored, seen = entry["sampled_fingerprint"], sampled_fingerprint(source)
+            seen = sampled_fingerprint(source, layout)
             now = SourceFingerprint(entry["fingerprint"], seen)  # its full digest, as the sample vouches for it
         if seen != stored:
             raise _Mismatch(f"the backbone weights differ from those the twins were made from (`{entry['key']}`: "
