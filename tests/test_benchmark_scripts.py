@@ -6,6 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from conftest import load_module
 
@@ -178,3 +179,26 @@ def test_context_length_script_cuts_prompts_to_the_models_positions(capsys):
     assert "cut to [128, 8160]" in capsys.readouterr().out
     assert fitted_lengths([128, 2048], config, 32) == [128, 2048]
     assert fitted_lengths([9000], SimpleNamespace(), 32) == [9000]  # a model that names no limit keeps its lengths
+
+
+def test_captured_decode_teacher_forced_match_is_one_where_the_river_never_exits(prompt_ids):
+    """The script's teacher-forced match: a river that never exits (tau > 1) matches the backbone at every position
+    and runs no twin; one that exits everything runs the twins at every decoded step; the plain backbone's
+    GenerationConfig gets no match (it is the reference)."""
+    from transformers import GenerationConfig
+
+    from conftest import count_twin_calls, river_of, tiny_model
+    from river_hf import RiverConfig
+    script = load_script("captured_decode")
+    model = river_of(tiny_model("llama"), nbits=4)
+    twin_calls = count_twin_calls(model)
+    fixed = dict(max_new_tokens=6, do_sample=False)
+    prompt = prompt_ids[:1]
+    prompts = [{"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}]
+    never = {"backbone": GenerationConfig(**fixed), "never exits": RiverConfig(tau=2.0, **fixed)}
+    assert script.teacher_forced_match(model, prompts, never, tokens=6) == {"never exits": 1.0}
+    assert twin_calls[0] == 0
+    always = script.teacher_forced_match(model, prompts, {"always exits": RiverConfig(tau=-1.0, **fixed)}, tokens=6)
+    assert 0.0 <= always["always exits"] <= 1.0
+    assert twin_calls[0] > 0
+    assert script.teacher_forced_match(model, prompts, never, tokens=0) == {}
