@@ -202,3 +202,21 @@ def test_captured_decode_teacher_forced_match_is_one_where_the_river_never_exits
     assert 0.0 <= always["always exits"] <= 1.0
     assert twin_calls[0] > 0
     assert script.teacher_forced_match(model, prompts, never, tokens=0) == {}
+
+
+def test_captured_decode_step_split_adds_up_and_finds_matmuls_and_attention(prompt_ids):
+    """The script's per-token split, for the backbone and a river on its twins: the matmul and attention ops are found
+    (time > 0: their names are recognised), and the parts add up to the measured total."""
+    from transformers import GenerationConfig
+
+    from conftest import river_of, tiny_model
+    from river_hf import RiverConfig
+    script = load_script("captured_decode")
+    model = river_of(tiny_model("llama"), nbits=4)
+    prompt = prompt_ids[:1]
+    inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
+    for config in (GenerationConfig(do_sample=False), RiverConfig(tau=-1.0, do_sample=False)):
+        split = script.step_split(model, inputs, config, tokens=8)
+        assert set(split) == {"matmuls", "attention", "rest", "total"}
+        assert split["matmuls"] > 0 and split["attention"] > 0
+        assert split["matmuls"] + split["attention"] + split["rest"] == pytest.approx(split["total"])

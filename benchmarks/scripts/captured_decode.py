@@ -4,6 +4,7 @@
     python benchmarks/scripts/captured_decode.py --rounds 3 --tau 0.3 --max-new-tokens 64
     python benchmarks/scripts/captured_decode.py --model PATH_OR_HUB_ID --device cuda --mode reduce-overhead
     python benchmarks/scripts/captured_decode.py --nbits 8 --tau 0.5      # all-8-bit twins, a stricter exit
+    python benchmarks/scripts/captured_decode.py --profile                # + where a decoded token's time goes
 
 Systems, each one `generate` call per prompt, interleaved after a warm-up that pays the compilation (its seconds are
 printed): the backbone eager (dynamic cache) and compiled (transformers' `cache_implementation="static"` with its
@@ -19,6 +20,7 @@ settings run eagerly on the dynamic cache (a captured step computes the same lay
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -74,6 +76,8 @@ def main(argv=None) -> dict:
                         help="the twins' precision, as RiverQuantConfig(nbits=...) (default: auto)")
     parser.add_argument("--start-layer", type=int, default=None,
                         help="RiverQuantConfig(start_layer=...): backbone layers every token runs (default: its own)")
+    parser.add_argument("--profile", action="store_true",
+                        help="split each system's decode step into matmuls, attention and the rest (torch.profiler)")
     parser.add_argument("--fidelity-tokens", type=int, default=64,
                         help="teacher-forced tokens per prompt for the rivers' match (0: skip)")
     args = parser.parse_args(argv)
@@ -94,7 +98,47 @@ def main(argv=None) -> dict:
             for name, config in configs.items():
                 timings[name].append(time_generate(model, inputs, config))
     fidelity = teacher_forced_match(model, prompts, configs, args.fidelity_tokens)
-    return report(args, warm_up, timings, fidelity, num_layers=len(river_layers(model)))
+    results = report(args, warm_up, timings, fidelity, num_layers=len(river_layers(model)))
+    if args.profile:
+        print_step_splits({name: step_split(model, prompts[0], config, args.max_new_tokens)
+                           for name, config in configs.items()})
+    return results
+
+
+MATMUL_NAMES = ("mm", "linear")                     # aten::mm, addmm, bmm, _weight_int4pack_mm..., mkldnn linears
+ATTENTION_NAMES = ("scaled_dot_product", "attention")
+
+
+def step_split(model, inputs: dict, config, tokens: int) -> dict:
+    """Milliseconds per decoded token in matmul ops, attention ops and everything else (profiler self times of the
+    ops inductor calls out to, wall clock for the total): a generate of `tokens` new tokens minus one of 1, so the
+    prompt's share cancels. The profiler adds a few µs per op, more to eager systems (many ops) than captured ones."""
+    full, one = (_profiled_generate(model, inputs, config, n) for n in (tokens, 1))
+    return {part: (full[part] - one[part]) / (tokens - 1) for part in full}
+
+
+def _profiled_generate(model, inputs: dict, config, new_tokens: int) -> dict:
+    config = copy.deepcopy(config)
+    config.max_new_tokens = config.min_new_tokens = new_tokens  # a static cache keeps its longer length: no recompile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        started = time.perf_counter()
+        model.generate(**inputs, generation_config=config)
+        total = (time.perf_counter() - started) * 1e3
+    parts = {"matmuls": 0.0, "attention": 0.0}
+    for event in profiler.key_averages():
+        op = event.key.split("::")[-1]
+        part = ("attention" if any(name in op for name in ATTENTION_NAMES)
+                else "matmuls" if any(name in op for name in MATMUL_NAMES) else None)
+        if part:
+            parts[part] += event.self_cpu_time_total / 1e3
+    return {**parts, "rest": total - parts["matmuls"] - parts["attention"], "total": total}
+
+
+def print_step_splits(splits: dict) -> None:
+    print("where a decoded token's time goes, ms (torch.profiler, one prompt):")
+    print(f"{'system':28s} {'matmuls':>8s} {'attention':>9s} {'rest':>8s} {'total':>8s}")
+    for name, split in splits.items():
+        print(f"{name:28s} {split['matmuls']:8.2f} {split['attention']:9.2f} {split['rest']:8.2f} {split['total']:8.2f}")
 
 
 def start_layer(args) -> dict:
