@@ -220,3 +220,18 @@ def test_captured_decode_step_split_adds_up_and_finds_matmuls_and_attention(prom
         assert set(split) == {"matmuls", "attention", "rest", "total"}
         assert split["matmuls"] > 0 and split["attention"] > 0
         assert split["matmuls"] + split["attention"] + split["rest"] == pytest.approx(split["total"])
+
+
+def test_cuda_kernels_example_times_every_candidate_against_its_byte_limit(tmp_path, capsys, monkeypatch):
+    """The GPU kernel table's code, run on CPU at the tiny shape: every candidate of both widths, every layer."""
+    monkeypatch.setenv("RIVER_HF_CACHE", "off")
+    record = load_script("cuda_kernels").main(["--shape", "tiny-test", "--device", "cpu", "--output",
+                                               str(tmp_path / "kernels.json")])
+    rows = record["shapes"]["tiny-test"]
+    assert {r["layer"] for r in rows} == {"q_proj / o_proj", "k_proj / v_proj", "gate_proj / up_proj", "down_proj",
+                                          "lm_head"}
+    assert {(r["nbits"], r["kernel"]) for r in rows} >= {(4, "int4pack_cpu"), (8, "int8pack_cpu"), (4, "dense")}
+    assert all(r["microseconds"] > 0 and 0 < r["byte_limit_share"] for r in rows)
+    dense = [r for r in rows if r["kernel"] == "dense"]
+    assert all(r["speedup_vs_dense"] == 1.0 for r in dense)
+    assert (tmp_path / "kernels.json").exists() and "| lm_head | 256x64 | 8 | int8pack_cpu |" in capsys.readouterr().out

@@ -15,6 +15,7 @@ from torch import nn
 
 from river_hf.kernels.backends import BACKENDS, resolve_backend
 from river_hf.kernels.quantize import SUPPORTED_GROUP_SIZES, SUPPORTED_NBITS, RiverQuantLinear, plain_rounding
+from river_hf.kernels.registry import KERNELS
 
 CPU = torch.device("cpu")
 IN, OUT = 256, 128  # OUT: a multiple of 16, as the int4 CPU kernel needs
@@ -150,15 +151,39 @@ def test_resolve_backend_auto():
     assert resolve_backend("auto", 3, "cpu") == "int4pack_cpu"
     assert resolve_backend("auto", 8, CPU) == "int8pack_cpu"
     assert resolve_backend("auto", 4, torch.device("cuda")) == "tinygemm_cuda"  # pure logic: no GPU needed
-    with pytest.warns(UserWarning, match="slow"):
-        assert resolve_backend("auto", 8, torch.device("cuda")) == "hqq"
+
+
+def gemlite_installed(monkeypatch, installed: bool) -> None:
+    for name in ("gemlite_int8_cuda", "gemlite_int4_cuda"):
+        monkeypatch.setitem(KERNELS, name, KERNELS[name]._replace(available=lambda: installed))
+
+
+def test_8bit_on_cuda_without_gemlite_falls_back_to_dense(monkeypatch):
+    """Without gemlite no 8-bit kernel runs on CUDA: 'dense' (the backbone's speed), never 'hqq' (a dequantization
+    per call), with a warning that names the package; with it, gemlite's int8 GEMV."""
+    gemlite_installed(monkeypatch, False)
+    with pytest.warns(UserWarning, match=r"'dense'.*pip install river-hf\[cuda\]"):
+        assert resolve_backend("auto", 8, torch.device("cuda")) == "dense"
+    gemlite_installed(monkeypatch, True)
+    assert resolve_backend("auto", 8, torch.device("cuda")) == "gemlite_int8_cuda"
+    assert resolve_backend("auto", 4, torch.device("cuda")) == "tinygemm_cuda"  # 4 bits: tinygemm stays preferred
+    assert resolve_backend("gemlite_int4_cuda", 2, torch.device("cuda")) == "gemlite_int4_cuda"
+    with pytest.raises(ValueError, match="cannot run 3-bit"):
+        resolve_backend("gemlite_int4_cuda", 3, torch.device("cuda"))
+
+
+def test_gemlite_backends_name_the_missing_package(monkeypatch):
+    gemlite_installed(monkeypatch, False)
+    with pytest.raises(ValueError, match=r"`backend`='gemlite_int8_cuda' needs gemlite.*river-hf\[cuda\]"):
+        resolve_backend("gemlite_int8_cuda", 8, torch.device("cuda"))
 
 
 def test_resolve_backend_explicit():
     assert resolve_backend("hqq", 4, CPU) == "hqq"
     assert resolve_backend("int8pack_cpu", 8, CPU) == "int8pack_cpu"
     assert set(BACKENDS) == {"auto", "fastest", "int4pack_cpu", "int8pack_cpu", "int8pack_fp32_cpu", "w8a8_cpu",
-                             "matmulnbits_cpu", "dense", "tinygemm_cuda", "hqq"}
+                             "matmulnbits_cpu", "dense", "tinygemm_cuda", "gemlite_int8_cuda", "gemlite_int4_cuda",
+                             "hqq"}
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -78,7 +78,8 @@ class RiverQuantConfig(QuantizationConfigMixin):
         metadata={"help": f"Twin kernel, one of {BACKENDS}. 'fastest' times the kernels that can run each layer on "
                   f"this machine, at that layer's shape, and takes the fastest (river_hf.kernels.choice); 'auto' takes "
                   f"the device's preferred kernel per width without measuring (CPU: int4pack_cpu for 2-4 bits, "
-                  f"int8pack_cpu for 8; CUDA: tinygemm_cuda)."},
+                  f"int8pack_cpu for 8; CUDA: tinygemm_cuda for 2-4, gemlite_int8_cuda for 8 with gemlite "
+                  f"installed: river-hf[cuda])."},
     )
     activations: str | None = field(
         default=None,

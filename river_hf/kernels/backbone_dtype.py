@@ -133,7 +133,7 @@ def _measure(shape: tuple[int, int], device: torch.device) -> DtypeChoice:
 def _round_timer(out_features: int, in_features: int, dtype: torch.dtype, device: torch.device):
     """A function timing one round: x [1, K] times each of enough weight copies to overflow the last-level cache
     twice (a decode step reads its weights from memory), µs per GEMV."""
-    count = kernel_choice.cache_cold_copies(out_features * in_features * torch.finfo(dtype).bits // 8)
+    count = kernel_choice.cache_cold_copies(out_features * in_features * torch.finfo(dtype).bits // 8, device)
     weights = [torch.randn(out_features, in_features, device=device).to(dtype) for _ in range(count)]
     x = torch.randn(1, in_features, device=device).to(dtype)
 

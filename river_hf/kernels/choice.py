@@ -163,7 +163,7 @@ def time_candidates(names: list[str], nbits: int, group_size: int | None, out_fe
     layers = {name: _copies(name, nbits, _kernel_group(name, group_size), out_features, in_features, device, copies)
               for name in names}
     x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
-    return interleaved_medians({name: (lambda name=name: _time_round(name, layers[name], x)) for name in names})
+    return interleaved_medians({name: _round_timer(name, layers[name], x) for name in names})
 
 
 def interleaved_medians(rounds: dict[str, Callable[[], float]]) -> dict[str, float]:
@@ -183,15 +183,37 @@ def interleaved_medians(rounds: dict[str, Callable[[], float]]) -> dict[str, flo
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def _time_round(name: str, copies: list, x: torch.Tensor) -> float:
+def _round_timer(name: str, copies: list, x: torch.Tensor) -> Callable[[], float]:
+    """A timed round of kernel `name` over its copies: on CUDA the replay of the round captured as a CUDA graph (a
+    captured decode step's cost is the kernels' GPU time; each eager launch adds microseconds of Python and driver
+    time, as long as a small GEMV on a GPU, and more for a Triton kernel than a cuBLAS call), elsewhere the calls."""
+    if not x.is_cuda:
+        return lambda: _time_calls(lambda: _run_round(name, copies, x), len(copies), x)
+    stream = torch.cuda.Stream(x.device)  # warm up on a side stream, as torch.cuda.graph asks
+    stream.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(stream):
+        _run_round(name, copies, x)  # Triton's autotuning and lazy initialisation happen here, outside the capture
+    torch.cuda.current_stream(x.device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run_round(name, copies, x)
+    return lambda: _time_calls(graph.replay, len(copies), x)
+
+
+def _run_round(name: str, copies: list, x: torch.Tensor) -> None:
     kernel = KERNELS[name]
-    _synchronize(x)
-    start = time.perf_counter()
     for module in copies:
         inputs = x if kernel.activation_dtype is None else cast(x, kernel.activation_dtype)
         cast(kernel.matmul(module["buffers"], module["group"], inputs), torch.bfloat16)
+
+
+def _time_calls(run: Callable[[], None], calls: int, x: torch.Tensor) -> float:
+    """µs per call of `run()`, which makes `calls` calls (the device synchronised on both sides)."""
     _synchronize(x)
-    return (time.perf_counter() - start) / len(copies) * 1e6
+    start = time.perf_counter()
+    run()
+    _synchronize(x)
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 def _copies(name: str, nbits: int, group_size: int | None, out_features: int, in_features: int, device,
@@ -206,17 +228,18 @@ def _copies(name: str, nbits: int, group_size: int | None, out_features: int, in
     buffers = kernel.pack(codes, scale, zero, group_size, nbits)
     nbytes = sum(t.numel() * t.element_size() for t in buffers.values())
     del codes, scale, zero
-    count = count or cache_cold_copies(nbytes)
+    count = count or cache_cold_copies(nbytes, device)
     kernel_group = int4_kernel_group(in_features, group_size) if "scales_and_zeros" in buffers else None
     clones = [{key: t.clone() for key, t in buffers.items()} for _ in range(count - 1)]
     prepack = kernel.prepack or (lambda packed, _nbits: packed)
     return [{"buffers": prepack(copy, nbits), "group": kernel_group} for copy in [buffers, *clones]]
 
 
-def cache_cold_copies(nbytes: int) -> int:
-    """How many copies of a `nbytes` weight overflow the last-level cache twice, so that cycling through them reads
-    each from memory as a decode step does (at most MAX_COPIES; one where a weight alone overflows it)."""
-    return max(1, min(MAX_COPIES, -(-2 * last_level_cache_bytes() // max(nbytes, 1))))
+def cache_cold_copies(nbytes: int, device: torch.device | str = "cpu") -> int:
+    """How many copies of a `nbytes` weight overflow the device's last-level cache twice (the CPU's L3, a GPU's L2),
+    so that cycling through them reads each from memory as a decode step does (at most MAX_COPIES; one where a weight
+    alone overflows it)."""
+    return max(1, min(MAX_COPIES, -(-2 * last_level_cache_bytes(device) // max(nbytes, 1))))
 
 
 def _synchronize(x: torch.Tensor) -> None:

@@ -40,8 +40,12 @@ def cpu_description() -> dict:
             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
 
 
-def last_level_cache_bytes() -> int:
-    """The last-level cache's size (Linux sysfs), or 32 MiB when it cannot be read."""
+def last_level_cache_bytes(device: torch.device | str = "cpu") -> int:
+    """The last-level cache's size: a GPU's L2 (torch's device properties), the CPU's L3 (Linux sysfs); 32 MiB when
+    it cannot be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or FALLBACK_CACHE_BYTES
     path = "/sys/devices/system/cpu/cpu0/cache/index3/size"
     try:
         with open(path) as file:

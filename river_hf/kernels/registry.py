@@ -11,6 +11,8 @@ fastest on this machine for a layer's shape.
 | `matmulnbits_cpu`   | CPU    | 4, 8    | ONNX Runtime's MatMulNBits: activations int8 per block of K             |
 | `dense`             | any    | any     | the dequantized HQQ weight in bf16, `F.linear`: the backbone's speed    |
 | `tinygemm_cuda`     | CUDA   | 2, 3, 4 | `aten._weight_int4pack_mm` (untested here: no GPU on the CI boxes)      |
+| `gemlite_int8_cuda` | CUDA   | 8       | gemlite's int8 Triton GEMV + the rank-1 zero-point correction (gemlite) |
+| `gemlite_int4_cuda` | CUDA   | 2, 4    | gemlite's Triton GEMV on HQQ's grouped layout (gemlite)                 |
 | `hqq`               | any    | any     | dequantizes the whole weight on every call: the slow reference          |
 
 `w8a8_cpu` and `matmulnbits_cpu` (river_hf.kernels.matmulnbits: int8 per block of K) are the kernels that are not
@@ -32,6 +34,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import gemlite_kernels
 from . import matmulnbits as ort_kernel
 
 SUPPORTED_NBITS = (2, 3, 4, 8)
@@ -262,12 +265,21 @@ KERNELS = {
         device_type="cuda", nbits=(2, 3, 4), ops=("_weight_int4pack_mm", "_convert_weight_to_int4pack"),
         pack=partial(_pack_int4, _convert_tinygemm_cuda), matmul=_matmul_tinygemm_cuda, codes=_codes_via_int4_kernel,
         activation_dtype=torch.bfloat16),
+    # gemlite (river_hf.kernels.gemlite_kernels): `pip install river-hf[cuda]`
+    "gemlite_int8_cuda": Kernel(
+        device_type="cuda", nbits=(8,), ops=(), pack=gemlite_kernels.pack_int8, matmul=gemlite_kernels.matmul,
+        codes=gemlite_kernels.codes_int8, activation_dtype=torch.bfloat16, prepack=gemlite_kernels.prepack,
+        per_row=True, available=gemlite_kernels.available, requires=("gemlite", "cuda")),
+    "gemlite_int4_cuda": Kernel(
+        device_type="cuda", nbits=(2, 4), ops=(), pack=gemlite_kernels.pack_int4, matmul=gemlite_kernels.matmul,
+        codes=gemlite_kernels.codes_int4, activation_dtype=torch.bfloat16, prepack=gemlite_kernels.prepack,
+        available=gemlite_kernels.available, requires=("gemlite", "cuda")),
     "hqq": Kernel(
         device_type=None, nbits=SUPPORTED_NBITS, ops=(),
         pack=_pack_hqq, matmul=_matmul_hqq, codes=_codes_hqq, activation_dtype=None),
 }
 # The device's preferred kernel per width ('auto' takes the first that runs); 'fastest' measures these and `dense`.
-PREFERRED_BACKENDS = ("int4pack_cpu", "int8pack_cpu", "tinygemm_cuda")
+PREFERRED_BACKENDS = ("int4pack_cpu", "int8pack_cpu", "tinygemm_cuda", "gemlite_int8_cuda")
 
 
 def _has_op(qualified: str) -> bool:
@@ -295,6 +307,8 @@ def shape_problem(backend: str, out_features: int, in_features: int, group_size:
             return f"`in_features`={in_features} is not a multiple of 32"
     if backend == "matmulnbits_cpu":
         return ort_kernel.shape_problem(out_features, in_features, group_size)
+    if backend in ("gemlite_int8_cuda", "gemlite_int4_cuda"):
+        return gemlite_kernels.shape_problem(out_features, in_features, group_size)
     if backend in ("int8pack_cpu", "int8pack_fp32_cpu") and in_features % 16:
         return f"`in_features`={in_features} is not a multiple of 16"  # the kernel segfaults otherwise (torch 2.13)
     return None
