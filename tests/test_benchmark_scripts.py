@@ -204,6 +204,20 @@ def test_captured_decode_teacher_forced_match_is_one_where_the_river_never_exits
     assert script.teacher_forced_match(model, prompts, never, tokens=0) == {}
 
 
+def test_captured_decode_skip_module_guards_reaches_every_compiled_system():
+    """--skip-module-guards gives the compiled backbone and the captured rivers the same guard filter (a fair
+    comparison), and the eager systems no compile config."""
+    script = load_script("captured_decode")
+    args = SimpleNamespace(mode=None, max_new_tokens=4, tau=0.3, skip_module_guards=True)
+    configs = script.systems(args)
+    compiled = {name: c.compile_config for name, c in configs.items() if c.cache_implementation == "static"}
+    assert set(compiled) == {"backbone compiled", "river captured", "full quantization captured"}
+    assert all(c.options["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe
+               for c in compiled.values())
+    plain = script.systems(SimpleNamespace(**{**vars(args), "skip_module_guards": False}))
+    assert plain["backbone compiled"].compile_config.options is None
+
+
 def test_captured_decode_step_split_adds_up_and_finds_matmuls_and_attention(prompt_ids):
     """The script's per-token split, for the backbone and a river on its twins: the matmul and attention ops are found
     (time > 0: their names are recognised), and the parts add up to the measured total."""
