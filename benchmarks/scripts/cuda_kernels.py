@@ -101,9 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
         record["shapes"][shape] = rows = time_shape(shape, device, bandwidth)
         print_table(rows)
         print()
-    if args.output:
-        with open(args.output, "w") as file:
-            json.dump(record, file, indent=1)
+        if args.output:  # after each shape: a run cut short by its time limit keeps what it measured
+            with open(args.output, "w") as file:
+                json.dump(record, file, indent=1)
     return record
 
 
