@@ -8,6 +8,10 @@ is built, every distinct (shape, bits, group size) is timed once per process on 
 - each candidate gets enough copies of a random weight to overflow the last-level cache (a decode step reads every
   layer's weights from memory, not from cache), and the candidates take turns, round after round, so a noisy
   neighbour slows all of them alike; the median time per call counts, activation casts included;
+- on CUDA a candidate's round of calls is captured once as a CUDA graph and the replays are timed: a static
+  river's decode step runs as a captured graph, where a kernel costs its GPU time, while an eager launch adds
+  Python and driver time that can exceed a batch-1 GEMV on a GPU (and differs between a Triton kernel and
+  cuBLAS): timed eagerly, launch costs would decide the choice;
 - the device's preferred kernel keeps its place unless another is faster by `TIE_MARGIN`, so close calls do not
   flip from one build to the next.
 Every choice made is kept (`measured_choices()`) for the bench record and the CLI's build message, and remembered
