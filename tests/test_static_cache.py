@@ -229,6 +229,32 @@ def test_a_passed_static_cache_too_short_is_refused_before_any_token(prompt_ids)
     same_run(run(RiverStaticCache(config=model.config, max_cache_len=21)), generate(model, prompt_ids, tau=-1))
 
 
+def test_a_used_static_cache_of_another_batch_or_dtype_is_refused_before_any_token(prompt_ids):
+    """A RiverStaticCache made its tensors at its first call's batch and dtype: another batch, or a model moved to
+    another dtype, is a ValueError naming `cache` (not index_copy_'s error mid-step), and the cache is left as it was."""
+    model = river_of(tiny_model())
+    def run(ids, cache, **extra):
+        extra = {"do_sample": False, **extra}
+        return model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, tau=-1, exit_signal="cosine",
+                              max_new_tokens=4, return_dict_in_generate=True, **extra)
+
+    cache = RiverStaticCache(config=model.config, max_cache_len=64)
+    run(prompt_ids[:1], cache)
+    held = cache.recorded_length
+    with pytest.raises(ValueError, match=r"`cache`: this RiverStaticCache holds a batch of 1 sequences, and this "
+                                         r"call runs 2"):
+        run(prompt_ids[:2], cache)
+    with pytest.raises(ValueError, match="runs 3"):  # expanded rows count: one prompt, three return sequences
+        run(prompt_ids[:1], cache, num_return_sequences=3, do_sample=True)
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"holds torch.float32 keys and values, and the model computes in "
+                                         r"torch.bfloat16"):
+        run(prompt_ids[:1], cache)
+    assert cache.recorded_length == held
+    fresh = RiverStaticCache(config=model.config, max_cache_len=64)
+    same_run(run(prompt_ids[:2], fresh), generate(model, prompt_ids[:2], tau=-1, max_new_tokens=4))
+
+
 def test_inductor_compiled_river(prompt_ids, fresh_dynamo):
     """The real compiler (inductor, on CPU): tau > 1 gives the compiled backbone's tokens, and a river exiting every
     decode step keeps every slot."""

@@ -101,16 +101,30 @@ def static_river_cache(model, plain_cache, model_kwargs: dict, new_river_cache):
     return new_river_cache(model, settings, model_kwargs.get("attention_mask"), cache=river_cache)
 
 
-def check_passed_static_cache(cache, input_length: int, max_new_tokens: int | None) -> None:
-    """A RiverStaticCache the caller passed must have room for the prompt and every new token."""
-    if not isinstance(cache, RiverStaticCache) or max_new_tokens is None:
+def check_passed_static_cache(cache, input_length: int, max_new_tokens: int | None, batch_size: int | None = None,
+                              dtype=None) -> None:
+    """A RiverStaticCache the caller passed must have room for the prompt and every new token, and, once its tensors
+    exist (a cache used before), hold this call's batch (`batch_size`: rows after generate's expansion for beams and
+    return sequences) in the model's dtype: a ValueError naming `cache` before anything runs, where the static
+    layers' index_copy_ would fail mid-step."""
+    if not isinstance(cache, RiverStaticCache):
         return
     # the input holds the cached positions too when a call continues from a cache (transformers skips them)
-    needed = max(cache.recorded_length, input_length) + max_new_tokens
-    if needed > cache.max_cache_len:
+    needed = max(cache.recorded_length, input_length) + (max_new_tokens or 0)
+    if max_new_tokens is not None and needed > cache.max_cache_len:
         raise ValueError(f"`cache`: this RiverStaticCache holds {cache.max_cache_len} positions, and this call needs "
                          f"{needed} ({max(cache.recorded_length, input_length)} in the input + {max_new_tokens} new); "
                          f"make it with a larger `max_cache_len`, or lower `max_new_tokens`.")
+    made = next((layer for layer in cache.layers if getattr(layer, "is_initialized", False)), None)
+    if made is None:  # its tensors are made by the first update, at this call's batch and dtype
+        return
+    fresh = "make a new RiverStaticCache for this call (or pass none: river_hf makes one)"
+    if batch_size is not None and made.keys.shape[0] != batch_size:
+        raise ValueError(f"`cache`: this RiverStaticCache holds a batch of {made.keys.shape[0]} sequences, and this "
+                         f"call runs {batch_size}; {fresh}.")
+    if dtype is not None and made.keys.dtype != dtype:
+        raise ValueError(f"`cache`: this RiverStaticCache holds {made.keys.dtype} keys and values, and the model "
+                         f"computes in {dtype}; {fresh}.")
 
 
 class CapturedDecode:

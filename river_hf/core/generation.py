@@ -148,8 +148,13 @@ class RiverGenerationMixin:
             with static_cache_settings(settings):
                 return super().generate(inputs, generation_config=plain_config, **kwargs)
         kwargs["cache"] = self._river_cache(settings, kwargs)
-        check_passed_static_cache(kwargs["cache"], _input_length(inputs, kwargs),
-                                  requested_setting("max_new_tokens", generation_config, kwargs, self.generation_config))
+        def setting(name: str):
+            return requested_setting(name, generation_config, kwargs, self.generation_config)
+
+        # generate expands the input's rows for beams and return sequences before the cache sees them
+        rows = _input_rows(inputs, kwargs) * max(setting("num_beams") or 1, setting("num_return_sequences") or 1)
+        check_passed_static_cache(kwargs["cache"], _input_length(inputs, kwargs), setting("max_new_tokens"),
+                                  batch_size=rows or None, dtype=self.dtype)
         if settings.lossless:  # the river drafts, the backbone verifies (river_hf.lossless.decode)
             kwargs.update(lossless_generate_kwargs(settings, kwargs))
         return super().generate(inputs, generation_config=plain_config, **kwargs)
@@ -239,9 +244,19 @@ def _river_quant_config_saved(model, save_twins: bool):
         del config.quantization_config
 
 
+def _input_ids(inputs, kwargs: dict):
+    return inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+
+
 def _input_length(inputs, kwargs: dict) -> int:
-    ids = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+    ids = _input_ids(inputs, kwargs)
     return 0 if ids is None else ids.shape[1]
+
+
+def _input_rows(inputs, kwargs: dict) -> int:
+    """The batch size of the input (0 when there is none: generate starts from a BOS token)."""
+    ids = _input_ids(inputs, kwargs)
+    return 0 if ids is None else ids.shape[0]
 
 
 def new_river_cache(model, settings: RiverSettings, attention_mask=None, cache: ExitRecord | None = None
