@@ -262,14 +262,19 @@ def test_plot_of_a_missing_record_is_a_usage_error(tmp_path, capsys):
 
 # ---- the pieces -------------------------------------------------------------------------------------------------
 def test_static_full_quant_shares_every_tensor_and_leaves_the_river_alone():
-    model = river_hf.build_river(tiny_model(), progress=False)
+    # the backbone's own LM head: the static copy has no quantized one (the bench's "+head" systems add it), and
+    # which 8-bit head kernel 'fastest' picks, hence which near-tie argmax flips, depends on this machine's timing
+    model = river_hf.build_river(tiny_model(), river_hf.RiverQuantConfig(quantize_lm_head=False), progress=False)
     ids = torch.randint(3, 256, (1, 5))
     static = static_full_quant(model)
     river_tensors = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
     assert all(t.data_ptr() in river_tensors for t in (*static.parameters(), *static.buffers()))
     assert not river_hf.is_river(static)
     assert all(isinstance(layer, river_hf.RiverLayer) for layer in river_hf.core.architectures.find_decoder_layers(model))
-    expected = model.generate(ids, max_new_tokens=5, do_sample=False, tau=-1, exit_signal="cosine")
+    # prefill_exit="sequence": the prompt on the twins too, as the static copy runs it ("auto" follows this machine's
+    # measured prompt-shaped timing, which made the test pass or fail by machine and test order)
+    expected = model.generate(ids, max_new_tokens=5, do_sample=False, tau=-1, exit_signal="cosine",
+                              prefill_exit="sequence")
     assert torch.equal(static.generate(ids, max_new_tokens=5, do_sample=False), expected)
 
 

@@ -144,3 +144,32 @@ def test_a_river_built_with_an_explicit_backend_ignores_other_rivers_prompt_timi
                                                                   backend="fastest"), progress=False)
     assert not twins_prefill_faster(river_hf.river_layers(fastest))  # the injected timings, read by 'fastest'
     assert new_river_cache(fastest, RiverConfig(tau=-1).river_settings()).router.settings.prefill_exit == "none"
+
+
+def failing_kernel(requires):
+    from river_hf.kernels.registry import KERNELS
+
+    def matmul(buffers, group, x):
+        raise RuntimeError("no such instruction here")
+
+    return KERNELS["dense"]._replace(device_type="cpu", matmul=matmul, requires=requires)
+
+
+def test_an_optional_kernel_that_fails_is_left_out_of_the_choice(monkeypatch):
+    """A kernel from an optional package (gemlite, ONNX Runtime) that fails at its first call is dropped from the
+    timing with a warning naming it, and the build goes on with the others; a built-in kernel's failure is a bug:
+    it raises."""
+    from river_hf.kernels.registry import KERNELS
+
+    monkeypatch.setitem(KERNELS, "broken_optional", failing_kernel(("somepkg", "extra")))
+    monkeypatch.setenv("RIVER_HF_CACHE", "off")
+    kernel_choice.forget(machine=False)
+    with pytest.warns(UserWarning, match=r"'broken_optional' kernel failed on a 128x256 4-bit layer \(RuntimeError: "
+                                         r"no such instruction here\); it is left out"):
+        made = kernel_choice.fastest_backend(4, 64, 128, 256, torch.device("cpu"))
+    assert "broken_optional" not in made.microseconds and made.backend in ("int4pack_cpu", "dense")
+    kernel_choice.forget(machine=False)
+    monkeypatch.setitem(KERNELS, "broken_optional", failing_kernel(None))
+    with pytest.raises(RuntimeError, match="no such instruction"):
+        kernel_choice.fastest_backend(4, 64, 128, 256, torch.device("cpu"))
+    kernel_choice.forget(machine=False)

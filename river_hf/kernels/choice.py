@@ -164,10 +164,19 @@ def time_candidates(names: list[str], nbits: int, group_size: int | None, out_fe
     """name -> median µs per call of x [rows, K] (bf16 in, bf16 out) times the weight, interleaved; rows=1 is a
     decode GEMV, timed cache-cold."""
     copies = None if rows == 1 else 1  # a prompt-sized matmul is compute-bound: the cache does not matter
-    layers = {name: _copies(name, nbits, _kernel_group(name, group_size), out_features, in_features, device, copies)
-              for name in names}
     x = torch.randn(rows, in_features, dtype=torch.bfloat16, device=device)
-    return interleaved_medians({name: _round_timer(name, layers[name], x) for name in names})
+    timers = {}
+    for name in names:
+        try:
+            layers = _copies(name, nbits, _kernel_group(name, group_size), out_features, in_features, device, copies)
+            _run_round(name, layers[:1], x)  # a first call: a kernel that cannot run here fails now, not mid-decode
+            timers[name] = _round_timer(name, layers, x)
+        except Exception as error:  # noqa: BLE001 (an optional package's kernel may fail in its own ways)
+            if KERNELS[name].requires is None:
+                raise
+            warnings.warn(f"river_hf: the {name!r} kernel failed on a {out_features}x{in_features} {nbits}-bit layer "
+                          f"({type(error).__name__}: {error}); it is left out of the choice.", stacklevel=2)
+    return interleaved_medians(timers)
 
 
 def interleaved_medians(rounds: dict[str, Callable[[], float]]) -> dict[str, float]:

@@ -256,8 +256,9 @@ def build(model, quant_config: RiverQuantConfig):
     with user_errors():  # e.g. --start-layer beyond the model's depth
         model = build_river_cached(model, quant_config)  # the twins of an earlier run, when they fit
     for choice in kernel_choice.measured_choices():
-        print(f"  kernel, measured ({machine.cpu_description()['cpu_capability']}): {choice.describe()}",
-              file=sys.stderr)
+        where = (torch.cuda.get_device_name() if choice.device == "cuda"
+                 else machine.cpu_description()["cpu_capability"])
+        print(f"  kernel, measured ({where}): {choice.describe()}", file=sys.stderr)
     return model
 
 
