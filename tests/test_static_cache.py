@@ -231,7 +231,7 @@ def test_a_passed_static_cache_too_short_is_refused_before_any_token(prompt_ids)
 
 def test_a_used_static_cache_of_another_batch_or_dtype_is_refused_before_any_token(prompt_ids):
     """A RiverStaticCache made its tensors at its first call's batch and dtype: another batch, or a model moved to
-    another dtype, is a ValueError naming `cache` (not index_copy_'s error mid-step), and the cache is left as it was."""
+    another dtype, is a ValueError naming `cache` (not index_copy_'s error mid-step); the cache is left as it was."""
     model = river_of(tiny_model())
     def run(ids, cache, **extra):
         extra = {"do_sample": False, **extra}

@@ -5,7 +5,7 @@
     python benchmarks/scripts/captured_decode.py --model PATH_OR_HUB_ID --device cuda --mode reduce-overhead
     python benchmarks/scripts/captured_decode.py --nbits 8 --tau 0.5      # all-8-bit twins, a stricter exit
     python benchmarks/scripts/captured_decode.py --profile                # + where a decoded token's time goes
-    python benchmarks/scripts/captured_decode.py --skip-module-guards     # every system compiled without nn.Module guards
+    python benchmarks/scripts/captured_decode.py --skip-module-guards     # compiled without nn.Module guards
 
 Systems, each one `generate` call per prompt, interleaved after a warm-up that pays the compilation (its seconds are
 printed): the backbone eager (dynamic cache) and compiled (transformers' `cache_implementation="static"` with its
@@ -43,7 +43,8 @@ CHAT = ["Write a short poem about the sea.", "Explain what a hash table is to a 
 def systems(args) -> dict:
     # --skip-module-guards: dynamo checks no guards on nn.Module state between steps (torch's "unsafe" filter: a
     # module changed after compiling goes unnoticed), for the compiled backbone and the captured rivers alike
-    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if args.skip_module_guards else None
+    skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    options = {"guard_filter_fn": skip} if args.skip_module_guards else None
     compile_config = CompileConfig(mode=args.mode, fullgraph=False, options=options)
     compile_config._compile_all_devices = True  # transformers compiles on CUDA by itself; on CPU only when told
     fixed = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False)
