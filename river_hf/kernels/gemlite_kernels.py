@@ -28,6 +28,10 @@ REQUIRED_MODULE = "gemlite"
 MIN_IN_FEATURES = 32  # gemlite's GemLiteLinearTriton.MIN_SIZE: in_features must be a multiple of it
 _INT8_MID = 128  # HQQ's 8-bit codes 0..255 -> the symmetric kernel's int8 codes -128..127
 _PACKED_BITS = 32  # gemlite's default packing word (GemLiteLinearTriton.PACKING_BITWIDTH)
+# What the kernels take and give, and the dtype of their bf16 tensors: the backbones' dtype on GPUs. A module
+# setting, not a constant, for one reason: Triton's CPU interpreter mis-emulates bf16, so
+# tests/gemlite_interpreted.py checks the layouts in float16 (the same programs, another dtype flag).
+ACTIVATION_DTYPE = torch.bfloat16
 
 
 def available() -> bool:
@@ -51,10 +55,10 @@ def pack_int8(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grou
     from gemlite.helper import A16W8  # imports need a GPU
 
     signed = (codes.to(torch.uint8) ^ _INT8_MID).view(torch.int8)  # code c -> c - 128: the top bit flipped
-    layer = A16W8(device=codes.device, dtype=torch.bfloat16).from_weights(signed, scales=scale[:, :1].float())
+    layer = A16W8(device=codes.device, dtype=ACTIVATION_DTYPE).from_weights(signed, scales=scale[:, :1].float())
     return {"qweight": layer.W_q.data,  # [K, N] int8 (a transposed view of [N, K])
             "kernel_scale": layer.scales.data,  # fp32, one per row
-            "zero_shift": (scale[:, 0] * (_INT8_MID - zero[:, 0])).to(torch.bfloat16),  # [N]
+            "zero_shift": (scale[:, 0] * (_INT8_MID - zero[:, 0])).to(ACTIVATION_DTYPE),  # [N]
             "kernel_meta": _meta(layer, codes.device)}
 
 
@@ -62,7 +66,7 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grou
     """HQQ's 2/4-bit codes [N, K], scale and zero [N, G] -> gemlite's HQQ layer's tensors (packed over K)."""
     from gemlite.helper import A16Wn_HQQ_INT  # imports need a GPU
 
-    layer = A16Wn_HQQ_INT(device=codes.device, dtype=torch.bfloat16, W_nbits=nbits).from_weights(
+    layer = A16Wn_HQQ_INT(device=codes.device, dtype=ACTIVATION_DTYPE, W_nbits=nbits).from_weights(
         codes.to(torch.uint8), scale, zero)
     return {"qweight": layer.W_q.data,  # [K * nbits / 32, N] int32
             "kernel_scale": layer.scales.data, "kernel_zero": layer.zeros.data,  # [G, N] bf16 (zero: -zero * scale)
@@ -73,14 +77,14 @@ def prepack(buffers: dict, nbits: int) -> dict:
     """What the matmul reads: gemlite's tensor and integer arguments (the integers read once here, not per call)."""
     weight, zeros, shift = buffers["qweight"], buffers.get("kernel_zero"), buffers.get("zero_shift")
     # A model-wide `.to(dtype)` casts float buffers: give gemlite the dtypes it was packed with (its meta_args say)
-    scale_dtype = torch.float32 if zeros is None else torch.bfloat16
+    scale_dtype = torch.float32 if zeros is None else ACTIVATION_DTYPE
     if zeros is None:  # the int8 layer has no zeros: gemlite takes an empty placeholder
         zeros = torch.empty((1, 0), dtype=torch.int32, device=weight.device)
     meta_scale = torch.zeros((), dtype=torch.float32, device=weight.device)  # only gemlite's fp4 formats use it
     return {"tensor_args": [weight, buffers["kernel_scale"].to(scale_dtype), zeros.to(
-                torch.bfloat16 if zeros.is_floating_point() else zeros.dtype), meta_scale],
+                ACTIVATION_DTYPE if zeros.is_floating_point() else zeros.dtype), meta_scale],
             "meta_args": [int(value) for value in buffers["kernel_meta"].tolist()],
-            "zero_shift": None if shift is None else shift.to(torch.bfloat16)}
+            "zero_shift": None if shift is None else shift.to(ACTIVATION_DTYPE)}
 
 
 def matmul(inputs: dict, group, x: torch.Tensor) -> torch.Tensor:  # x: [M, K] bf16 -> [M, N] bf16

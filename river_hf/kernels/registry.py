@@ -268,11 +268,13 @@ KERNELS = {
     # gemlite (river_hf.kernels.gemlite_kernels): `pip install river-hf[cuda]`
     "gemlite_int8_cuda": Kernel(
         device_type="cuda", nbits=(8,), ops=(), pack=gemlite_kernels.pack_int8, matmul=gemlite_kernels.matmul,
-        codes=gemlite_kernels.codes_int8, activation_dtype=torch.bfloat16, prepack=gemlite_kernels.prepack,
+        codes=gemlite_kernels.codes_int8, activation_dtype=gemlite_kernels.ACTIVATION_DTYPE,
+        prepack=gemlite_kernels.prepack,
         per_row=True, available=gemlite_kernels.available, requires=("gemlite", "cuda")),
     "gemlite_int4_cuda": Kernel(
         device_type="cuda", nbits=(2, 4), ops=(), pack=gemlite_kernels.pack_int4, matmul=gemlite_kernels.matmul,
-        codes=gemlite_kernels.codes_int4, activation_dtype=torch.bfloat16, prepack=gemlite_kernels.prepack,
+        codes=gemlite_kernels.codes_int4, activation_dtype=gemlite_kernels.ACTIVATION_DTYPE,
+        prepack=gemlite_kernels.prepack,
         available=gemlite_kernels.available, requires=("gemlite", "cuda")),
     "hqq": Kernel(
         device_type=None, nbits=SUPPORTED_NBITS, ops=(),
