@@ -13,7 +13,8 @@ from torch import nn
 import river_hf
 from river_hf import RiverQuantConfig
 from river_hf.kernels.choice import candidates
-from river_hf.kernels.registry import runs
+from river_hf.kernels import registry
+from river_hf.kernels.registry import runs, w8a8_reduce_range
 from river_hf.kernels.backends import resolve_backend
 from river_hf.kernels.quantize import RiverQuantLinear
 
@@ -31,10 +32,11 @@ def twin(seed: int = 0, bias: bool = True) -> tuple[nn.Linear, RiverQuantLinear]
     return linear, RiverQuantLinear.from_linear(linear, 8, None, backend="w8a8_cpu", activations="int8")
 
 
-def rounded_per_token(x: torch.Tensor) -> torch.Tensor:
-    """An independent model of the kernel's activations: each row rounded on its own 7-bit asymmetric grid, as
-    torch's own dynamic quantization (reduce_range) rounds one tensor."""
-    return torch.cat([torch.quantize_per_tensor_dynamic(row[None], torch.quint8, True).dequantize() for row in x])
+def rounded_per_token(x: torch.Tensor, reduce_range: bool = registry.W8A8_REDUCE_RANGE) -> torch.Tensor:
+    """An independent model of the kernel's activations: each row rounded on its own asymmetric grid, as torch's own
+    dynamic quantization rounds one tensor (7 bits with reduce_range, the setting for this CPU: 8 with AVX512-VNNI)."""
+    return torch.cat([torch.quantize_per_tensor_dynamic(row[None], torch.quint8, reduce_range).dequantize()
+                      for row in x])
 
 
 def rel_error(actual, expected) -> float:
@@ -54,6 +56,34 @@ def test_a_decode_step_is_the_hqq_weight_times_the_rounded_token():
     # the model is the zero-point correction, which reads the unrounded activations' sum.
     assert 1e-3 < rel_error(quantized(x), exact) < 3e-2
     assert rel_error(quantized(x), rounded) < 0.3 * rel_error(quantized(x), exact)
+
+
+def test_activations_keep_8_bits_only_where_fbgemm_sums_in_int32():
+    """AVX512-VNNI (fbgemm's vpdpbusd) sums u8 x s8 products in int32; without it pairs are summed in int16, which
+    saturates at 8 bits. Whatever this CPU is, the setting the kernel passes computes a saturating input exactly."""
+    assert w8a8_reduce_range(["avx2", "avx512f", "avx512_vnni", "amx_int8"]) is False
+    assert w8a8_reduce_range(["avx2", "avx_vnni", "avx512f"]) is True   # fbgemm has no AVX-VNNI kernels
+    assert w8a8_reduce_range(None) is True                              # unknown CPU: the safe grid
+    # All activations at the top code (255, or 127 on the 7-bit grid) against weights at -128: a pair of products
+    # sums to -65280 at 8 bits, beyond int16.
+    rows, cols = 4, 256
+    weight = torch._make_per_channel_quantized_tensor(torch.full((rows, cols), -128, dtype=torch.int8),
+                                                      torch.full((rows,), 1 / 128, dtype=torch.double),
+                                                      torch.zeros(rows, dtype=torch.long), 0)
+    packed = torch.ops.quantized.linear_prepack(weight, None)
+    y = torch.ops.quantized.linear_dynamic(torch.ones(1, cols), packed, registry.W8A8_REDUCE_RANGE)
+    torch.testing.assert_close(y, torch.full((1, rows), -float(cols)))
+
+
+def test_8_bit_activations_round_finer_than_7():
+    if registry.W8A8_REDUCE_RANGE:
+        pytest.skip("this CPU has no AVX512-VNNI: the kernel rounds activations to 7 bits")
+    linear, quantized = twin(bias=False)
+    torch.manual_seed(4)
+    x = torch.randn(1, IN)
+    exact = F.linear(x, quantized.dequantized_weight())
+    at_7_bits = F.linear(rounded_per_token(x, reduce_range=True), quantized.dequantized_weight())
+    assert rel_error(quantized(x), exact) < 0.7 * rel_error(at_7_bits, exact)
 
 
 def test_each_prompt_token_keeps_its_own_activation_range():

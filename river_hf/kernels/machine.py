@@ -11,28 +11,16 @@ import os
 
 import torch
 
+from .cpu_flags import ISA_FEATURES, cpu_features, read_cpuinfo  # noqa: F401 (ISA_FEATURES: re-exported)
 from .registry import KERNELS
 
-# The instruction sets a CPU kernel's speed turns on.
-ISA_FEATURES = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
-                "amx_int8")
 FALLBACK_CACHE_BYTES = 32 << 20
-
-
-def cpu_features(cpuinfo: str) -> list[str]:
-    """The ISA_FEATURES among the `flags` of a /proc/cpuinfo text, in ISA_FEATURES' order."""
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return [feature for feature in ISA_FEATURES if feature in flags]
 
 
 def cpu_description() -> dict:
     """What a kernel timing depends on: the CPU model, torch's CPU capability (its dispatch), the CPU's own
     instruction sets (`cpu_features`; None where /proc/cpuinfo is not readable), threads."""
-    try:
-        with open("/proc/cpuinfo") as file:
-            cpuinfo = file.read()
-    except OSError:
-        cpuinfo = None
+    cpuinfo = read_cpuinfo()
     model = None if cpuinfo is None else next(
         (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), None)
     return {"cpu_model": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),

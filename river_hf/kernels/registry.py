@@ -16,8 +16,8 @@ fastest on this machine for a layer's shape.
 | `hqq`               | any    | any     | dequantizes the whole weight on every call: the slow reference          |
 
 `w8a8_cpu` and `matmulnbits_cpu` (river_hf.kernels.matmulnbits: int8 per block of K) are the kernels that are not
-weight-only. `w8a8_cpu` rounds each token's activations to 7 bits before an integer GEMM, so it costs fidelity the
-others do not, and a river uses it only when asked (`RiverQuantConfig(activations=
+weight-only. `w8a8_cpu` rounds each token's activations to 8 bits (7 without AVX512-VNNI) before an integer GEMM,
+so it costs fidelity the others do not, and a river uses it only when asked (`RiverQuantConfig(activations=
 "int8")`). It is there because on AVX2-only CPUs, where bf16 GEMVs and the int4 kernel are slow, its u8 x s8 GEMM
 is 2.2-2.3x a bf16 GEMV at Llama-3.2-1B's sizes, and slower at 576-wide ones (docs/activations.md).
 
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from . import gemlite_kernels
 from . import matmulnbits as ort_kernel
+from .cpu_flags import this_cpu_features
 
 SUPPORTED_NBITS = (2, 3, 4, 8)
 # Group sizes the int4 kernels accept; a per-row (None) grouping is run as the largest of these that divides K.
@@ -167,17 +168,26 @@ def _matmul_int8(dtype, buffers, group, x):  # x: [M, K] `dtype` -> [M, N] `dtyp
     return torch.addcmul(y, x.sum(dim=-1, keepdim=True), cast(buffers["zero_shift"], dtype))
 
 
-# 7-bit activations (fbgemm's reduce_range): without VNNI, fbgemm's u8 x s8 products are summed in pairs into int16,
-# which saturates for 8-bit activations.
-_W8A8_REDUCE_RANGE = True
+def w8a8_reduce_range(features: list[str] | None) -> bool:
+    """Whether fbgemm's dynamic int8 linear must round activations to 7 bits (its `reduce_range`) on a CPU with these
+    instruction sets (`cpu_flags.cpu_features`; None: unknown). Without AVX512-VNNI fbgemm sums its u8 x s8 products
+    in pairs into int16 (vpmaddubsw), which saturates for 8-bit activations; with it (vpdpbusd, int32 sums) they
+    keep 8 bits, which on SmolLM2 gave a W8A8 LM head 96.1% teacher-forced match against 94.2% at 7 bits (weight-only
+    head: 95.7%; benchmarks/avx512.md). fbgemm has no AVX-VNNI (AVX2-width) kernels, so only avx512_vnni counts."""
+    return "avx512_vnni" not in (features or [])
+
+
+# Read once: the kernel passes it on every call, and a captured graph keeps it as a constant. Public so a test or a
+# measurement can set it (benchmarks/scripts/w8a8_head.py compares both grids).
+W8A8_REDUCE_RANGE = w8a8_reduce_range(this_cpu_features())
 
 
 def _matmul_w8a8_cpu(inputs, group, x):  # x: [M, K] fp32 -> [M, N] fp32
     if x.shape[0] == 1:  # a decode step: fbgemm's per-tensor activation scale is already per token
-        y = torch.ops.quantized.linear_dynamic(x, inputs["packed"], _W8A8_REDUCE_RANGE)
+        y = torch.ops.quantized.linear_dynamic(x, inputs["packed"], W8A8_REDUCE_RANGE)
     else:  # fbgemm takes one scale per tensor: give every row the same range, so each token keeps its own grid
         peak = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)  # [M, 1]
-        y = torch.ops.quantized.linear_dynamic(x / peak, inputs["packed"], _W8A8_REDUCE_RANGE) * peak
+        y = torch.ops.quantized.linear_dynamic(x / peak, inputs["packed"], W8A8_REDUCE_RANGE) * peak
     return torch.addcmul(y, x.sum(dim=-1, keepdim=True), cast(inputs["zero_shift"], torch.float32))
 
 
