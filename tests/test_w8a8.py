@@ -4,6 +4,7 @@ asked (`activations="int8"`), and the river invariants with it."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -13,12 +14,14 @@ from torch import nn
 import river_hf
 from river_hf import RiverQuantConfig
 from river_hf.kernels.choice import candidates
-from river_hf.kernels import registry
-from river_hf.kernels.registry import runs, w8a8_reduce_range
+from river_hf.kernels import fbgemm_w8a8
+from river_hf.kernels.fbgemm_w8a8 import w8a8_reduce_range
+from river_hf.kernels.registry import runs
 from river_hf.kernels.backends import resolve_backend
 from river_hf.kernels.quantize import RiverQuantLinear
 
 from conftest import assert_full_quantization_is_exact, generate, river_of, tiny_model
+from test_static_cache import GraphCounter, cpu_compile, fresh_dynamo, same_run  # noqa: F401 (a fixture)
 
 CPU = torch.device("cpu")
 IN, OUT = 256, 128
@@ -32,7 +35,7 @@ def twin(seed: int = 0, bias: bool = True) -> tuple[nn.Linear, RiverQuantLinear]
     return linear, RiverQuantLinear.from_linear(linear, 8, None, backend="w8a8_cpu", activations="int8")
 
 
-def rounded_per_token(x: torch.Tensor, reduce_range: bool = registry.W8A8_REDUCE_RANGE) -> torch.Tensor:
+def rounded_per_token(x: torch.Tensor, reduce_range: bool = fbgemm_w8a8.W8A8_REDUCE_RANGE) -> torch.Tensor:
     """An independent model of the kernel's activations: each row rounded on its own asymmetric grid, as torch's own
     dynamic quantization rounds one tensor (7 bits with reduce_range, the setting for this CPU: 8 with AVX512-VNNI)."""
     return torch.cat([torch.quantize_per_tensor_dynamic(row[None], torch.quint8, reduce_range).dequantize()
@@ -71,12 +74,12 @@ def test_activations_keep_8_bits_only_where_fbgemm_sums_in_int32():
                                                       torch.full((rows,), 1 / 128, dtype=torch.double),
                                                       torch.zeros(rows, dtype=torch.long), 0)
     packed = torch.ops.quantized.linear_prepack(weight, None)
-    y = torch.ops.quantized.linear_dynamic(torch.ones(1, cols), packed, registry.W8A8_REDUCE_RANGE)
+    y = torch.ops.quantized.linear_dynamic(torch.ones(1, cols), packed, fbgemm_w8a8.W8A8_REDUCE_RANGE)
     torch.testing.assert_close(y, torch.full((1, rows), -float(cols)))
 
 
 def test_8_bit_activations_round_finer_than_7():
-    if registry.W8A8_REDUCE_RANGE:
+    if fbgemm_w8a8.W8A8_REDUCE_RANGE:
         pytest.skip("this CPU has no AVX512-VNNI: the kernel rounds activations to 7 bits")
     linear, quantized = twin(bias=False)
     torch.manual_seed(4)
@@ -151,3 +154,44 @@ def test_river_invariants_with_w8a8_twins_and_head(prompt_ids):
     assert_full_quantization_is_exact(river, prompt_ids, plain)
     river_hf.remove_river(river)
     assert torch.equal(generate(model, prompt_ids).sequences, plain)
+
+
+# ---------------------------------------------------------------- captured steps
+
+
+def test_torch_compile_traces_the_kernel_without_a_graph_break(fresh_dynamo):
+    """fbgemm's packed weight is an opaque object dynamo cannot hold: the kernel reaches it through a custom op and
+    a handle, so a captured step stays one graph, computes what the eager call does, and follows a new weight."""
+    _, quantized = twin()
+    decode, prompt = torch.randn(1, IN), torch.randn(5, IN)
+    explanation = torch._dynamo.explain(quantized)(decode)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
+    compiled = torch.compile(quantized, backend="eager", fullgraph=True)
+    for x in (decode, prompt):
+        assert torch.equal(compiled(x), quantized(x))
+    _, other = twin(seed=3)
+    quantized.load_state_dict(other.state_dict())  # packed again: a new handle, which the graph's guard sees
+    assert torch.equal(compiled(decode), other(decode))
+
+
+def test_a_packed_weight_lives_as_long_as_its_module():
+    _, quantized = twin()
+    handle = quantized.kernel_inputs["packed"].handle
+    assert handle in fbgemm_w8a8.PACKED_WEIGHTS
+    del quantized
+    gc.collect()
+    assert handle not in fbgemm_w8a8.PACKED_WEIGHTS
+
+
+def test_captured_river_with_w8a8_twins_and_head_is_one_graph_per_depth(prompt_ids, fresh_dynamo):
+    model = tiny_model("llama")
+    backbone = GraphCounter()
+    generate(model, prompt_ids, cache_implementation="static", compile_config=cpu_compile(backbone.backend))
+    torch._dynamo.reset()
+    river_of(model, nbits=8, group_size=None, quantize_lm_head=True, activations="int8")
+    counter = GraphCounter()
+    for tau in (1.5, -1):
+        out = generate(model, prompt_ids, tau=tau, exit_signal="confidence", cache_implementation="static",
+                       compile_config=cpu_compile(counter.backend))
+        same_run(out, generate(model, prompt_ids, tau=tau, exit_signal="confidence"))
+    assert counter.frame_count == backbone.frame_count + 1  # a graph break would add frames

@@ -15,8 +15,8 @@ fastest on this machine for a layer's shape.
 | `gemlite_int4_cuda` | CUDA   | 2, 4    | gemlite's Triton GEMV on HQQ's grouped layout (gemlite)                 |
 | `hqq`               | any    | any     | dequantizes the whole weight on every call: the slow reference          |
 
-`w8a8_cpu` and `matmulnbits_cpu` (river_hf.kernels.matmulnbits: int8 per block of K) are the kernels that are not
-weight-only. `w8a8_cpu` rounds each token's activations to 8 bits (7 without AVX512-VNNI) before an integer GEMM,
+`w8a8_cpu` (river_hf.kernels.fbgemm_w8a8) and `matmulnbits_cpu` (river_hf.kernels.matmulnbits: int8 per block of K)
+are the kernels that are not weight-only. `w8a8_cpu` rounds each token's activations to 8 bits (7 without AVX512-VNNI) before an integer GEMM,
 so it costs fidelity the others do not, and a river uses it only when asked (`RiverQuantConfig(activations=
 "int8")`). It is there because on AVX2-only CPUs, where bf16 GEMVs and the int4 kernel are slow, its u8 x s8 GEMM
 is 2.2-2.3x a bf16 GEMV at Llama-3.2-1B's sizes, and slower at 576-wide ones (docs/activations.md).
@@ -27,16 +27,14 @@ kernel on some AVX2 CPUs at small shapes): the twin then costs what the backbone
 
 from __future__ import annotations
 
-import warnings
 from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from . import gemlite_kernels
+from . import fbgemm_w8a8, gemlite_kernels
 from . import matmulnbits as ort_kernel
-from .cpu_flags import this_cpu_features
 
 SUPPORTED_NBITS = (2, 3, 4, 8)
 # Group sizes the int4 kernels accept; a per-row (None) grouping is run as the largest of these that divides K.
@@ -124,18 +122,6 @@ def _pack_int8_fp32_cpu(codes, scale, zero, group_size, nbits):
     return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in packed.items()}
 
 
-def _prepack_w8a8_cpu(buffers, nbits):
-    """int8 codes and per-row scales -> what `_matmul_w8a8_cpu` reads: fbgemm's packed weight (an opaque
-    ScriptObject, so not a buffer: remade from the buffers when they change) and the zero-point correction."""
-    rows = buffers["qweight"].shape[0]
-    with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated; only the packed weight is kept
-        warnings.simplefilter("ignore")
-        weight = torch._make_per_channel_quantized_tensor(
-            buffers["qweight"], buffers["kernel_scale"].double(), torch.zeros(rows, dtype=torch.long), 0)
-        packed = torch.ops.quantized.linear_prepack(weight, None)
-    return {"packed": packed, "zero_shift": buffers["zero_shift"]}
-
-
 def _pack_dense(codes, scale, zero, group_size, nbits):
     return {"qweight": dequantize(codes, scale, zero).to(torch.bfloat16)}  # [N, K]
 
@@ -166,29 +152,6 @@ def _matmul_int8(dtype, buffers, group, x):  # x: [M, K] `dtype` -> [M, N] `dtyp
     y = torch.ops.aten._weight_int8pack_mm(x, buffers["qweight"], cast(buffers["kernel_scale"], dtype))
     # Rank-1 zero-point correction: the kernel is symmetric, HQQ's 8-bit grid is not (addcmul accumulates in fp32).
     return torch.addcmul(y, x.sum(dim=-1, keepdim=True), cast(buffers["zero_shift"], dtype))
-
-
-def w8a8_reduce_range(features: list[str] | None) -> bool:
-    """Whether fbgemm's dynamic int8 linear must round activations to 7 bits (its `reduce_range`) on a CPU with these
-    instruction sets (`cpu_flags.cpu_features`; None: unknown). Without AVX512-VNNI fbgemm sums its u8 x s8 products
-    in pairs into int16 (vpmaddubsw), which saturates for 8-bit activations; with it (vpdpbusd, int32 sums) they
-    keep 8 bits, which on SmolLM2 gave a W8A8 LM head 96.1% teacher-forced match against 94.2% at 7 bits (weight-only
-    head: 95.7%; benchmarks/avx512.md). fbgemm has no AVX-VNNI (AVX2-width) kernels, so only avx512_vnni counts."""
-    return "avx512_vnni" not in (features or [])
-
-
-# Read once: the kernel passes it on every call, and a captured graph keeps it as a constant. Public so a test or a
-# measurement can set it (benchmarks/scripts/w8a8_head.py compares both grids).
-W8A8_REDUCE_RANGE = w8a8_reduce_range(this_cpu_features())
-
-
-def _matmul_w8a8_cpu(inputs, group, x):  # x: [M, K] fp32 -> [M, N] fp32
-    if x.shape[0] == 1:  # a decode step: fbgemm's per-tensor activation scale is already per token
-        y = torch.ops.quantized.linear_dynamic(x, inputs["packed"], W8A8_REDUCE_RANGE)
-    else:  # fbgemm takes one scale per tensor: give every row the same range, so each token keeps its own grid
-        peak = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)  # [M, 1]
-        y = torch.ops.quantized.linear_dynamic(x / peak, inputs["packed"], W8A8_REDUCE_RANGE) * peak
-    return torch.addcmul(y, x.sum(dim=-1, keepdim=True), cast(inputs["zero_shift"], torch.float32))
 
 
 def _matmul_dense(buffers, group, x):  # x: [M, K] bf16 -> [M, N] bf16
@@ -260,8 +223,8 @@ KERNELS = {
         activation_dtype=torch.float32, per_row=True),
     "w8a8_cpu": Kernel(
         device_type="cpu", nbits=(8,), ops=("quantized::linear_dynamic", "quantized::linear_prepack"),
-        pack=_pack_int8_fp32_cpu, matmul=_matmul_w8a8_cpu, codes=_codes_int8, activation_dtype=torch.float32,
-        prepack=_prepack_w8a8_cpu, quantizes_activations=True, per_row=True, engines=("x86", "fbgemm")),
+        pack=_pack_int8_fp32_cpu, matmul=fbgemm_w8a8.matmul, codes=_codes_int8, activation_dtype=torch.float32,
+        prepack=fbgemm_w8a8.prepack, quantizes_activations=True, per_row=True, engines=("x86", "fbgemm")),
     "matmulnbits_cpu": Kernel(
         device_type="cpu", nbits=(4, 8), ops=(), pack=ort_kernel.pack,
         matmul=lambda matmulnbits, group, x: matmulnbits(x), codes=ort_kernel.codes, activation_dtype=None,
