@@ -4,6 +4,7 @@
     python benchmarks/scripts/captured_decode.py --rounds 3 --tau 0.3 --max-new-tokens 64
     python benchmarks/scripts/captured_decode.py --model PATH_OR_HUB_ID --device cuda --mode reduce-overhead
     python benchmarks/scripts/captured_decode.py --nbits 8 --tau 0.5      # all-8-bit twins, a stricter exit
+    python benchmarks/scripts/captured_decode.py --lm-head-activations int8  # the exited steps' head on W8A8
     python benchmarks/scripts/captured_decode.py --profile                # + where a decoded token's time goes
     python benchmarks/scripts/captured_decode.py --skip-module-guards     # compiled without nn.Module guards
 
@@ -81,6 +82,9 @@ def main(argv=None) -> dict:
                         help="the twins' precision, as RiverQuantConfig(nbits=...) (default: auto)")
     parser.add_argument("--start-layer", type=int, default=None,
                         help="RiverQuantConfig(start_layer=...): backbone layers every token runs (default: its own)")
+    parser.add_argument("--lm-head-activations", choices=["int8"], default=None,
+                        help="RiverQuantConfig(lm_head_activations='int8'): the 8-bit head of exited steps may run on "
+                             "W8A8 (default: weight-only, as the twins)")
     parser.add_argument("--skip-module-guards", action="store_true",
                         help="compile every system with torch.compiler.skip_guard_on_all_nn_modules_unsafe")
     parser.add_argument("--profile", action="store_true",
@@ -90,7 +94,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=torch.bfloat16)
-    model = build_river(model.to(args.device), RiverQuantConfig(nbits=args.nbits, **start_layer(args)))
+    model = build_river(model.to(args.device), RiverQuantConfig(nbits=args.nbits, **start_layer(args), **head(args)))
     prompts = [build_chat_inputs(tokenizer, text) for text in CHAT + load_prompts(args.gsm8k).prompts]
     prompts = [{key: value.to(args.device) for key, value in inputs.items()} for inputs in prompts]
     configs = systems(args)
@@ -152,6 +156,10 @@ def start_layer(args) -> dict:
     return {} if args.start_layer is None else {"start_layer": args.start_layer}
 
 
+def head(args) -> dict:
+    return {} if args.lm_head_activations is None else {"lm_head_activations": args.lm_head_activations}
+
+
 def teacher_forced_match(model, prompts: list[dict], configs: dict, tokens: int) -> dict:
     """Each river system's teacher-forced next-token match (its settings run eagerly), by system name."""
     if tokens <= 0:
@@ -167,7 +175,8 @@ def report(args, warm_up: dict, timings: dict, fidelity: dict, num_layers: int) 
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU {torch.backends.cpu.get_cpu_capability()}"
     print(f"{device}, {torch.get_num_threads()} threads, torch {torch.__version__}; {len(reference)} runs per system "
           f"({args.rounds} rounds), {args.max_new_tokens} new tokens, confidence tau {args.tau}, twins nbits "
-          f"{args.nbits}, start layer {args.start_layer or 'default'}")
+          f"{args.nbits}, start layer {args.start_layer or 'default'}, LM head activations "
+          f"{args.lm_head_activations or 'as the twins'}")
     print(f"{'system':28s} {'warm-up s':>9s} {'tok/s':>7s} {'x compiled backbone':>19s} {'exit share':>10s} "
           f"{'match':>6s} {'teacher-forced match':>20s}")
     results = {}

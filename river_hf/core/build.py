@@ -113,7 +113,7 @@ def _quantized_lm_head(model: nn.Module, quant_config: RiverQuantConfig, stored=
         return RiverLMHead(head, quantized)
     lm_head = RiverLMHead.from_head(head, nbits=quant_config.lm_head_nbits,
                                     group_size=quant_config.lm_head_group_size, axis=quant_config.axis,
-                                    backend=quant_config.backend, activations=quant_config.activations)
+                                    backend=quant_config.backend, activations=quant_config.head_activations)
     lm_head.quantized_head.source_fingerprint = fingerprint(head)
     return lm_head
 

@@ -37,8 +37,10 @@ VERIFY_TWINS = ("sampled", "full")
 # Fields that say how to load a saved river, not what its twins are: a RiverQuantConfig passed to from_pretrained for
 # a saved river sets these (those it sets to other than their default) on the saved config (transformers' "loading
 # attributes"); its other fields give way to the saved ones
-LOADING_FIELDS = ("backend", "activations", "verify_twins")  # a LoRA-adapted linear's twin (river_hf.core.adapters.twin_of_adapted)
+LOADING_FIELDS = ("backend", "activations", "lm_head_activations", "verify_twins")  # a LoRA-adapted linear's twin (river_hf.core.adapters.twin_of_adapted)
 AUTO_SHALLOW_SHARE, AUTO_SHALLOW_BITS, AUTO_DEEP_BITS = 0.25, 4, 8
+# lm_head_activations' default: the quantized LM head's kernels may do to activations what the twins' may
+AS_TWINS = "as_twins"
 
 
 @dataclass
@@ -84,7 +86,8 @@ class RiverQuantConfig(QuantizationConfigMixin):
     activations: str | None = field(
         default=None,
         metadata={"help": f"What the twins' kernels may do to activations, one of {ACTIVATIONS}. None (the default): "
-                  f"weight-only kernels, activations stay bf16/fp32. 'int8': 8-bit twins (and an 8-bit LM head) "
+                  f"weight-only kernels, activations stay bf16/fp32. 'int8': 8-bit twins (and an 8-bit LM head, "
+                  f"unless `lm_head_activations` says otherwise) "
                   f"may run on fbgemm's dynamic int8 linear ('w8a8_cpu', CPU), which rounds each token's "
                   f"activations to 7 bits (8 on CPUs with AVX512-VNNI): 2.2-2.3x a bf16 GEMV at 1B-model sizes on AVX2, at a fidelity cost "
                   f"(SmolLM2: 86.5% vs 97.7% match; docs/activations.md). 'auto' then prefers it; 'fastest' times "
@@ -111,6 +114,15 @@ class RiverQuantConfig(QuantizationConfigMixin):
         default=8,
         metadata={"help": f"Bits of the quantized LM head, one of {SUPPORTED_NBITS} (used when quantize_lm_head). "
                   f"8 bits: one group per output row; fewer bits use `group_size`."},
+    )
+    lm_head_activations: str | None = field(
+        default=AS_TWINS,
+        metadata={"help": f"What the quantized LM head's kernel may do to activations: {AS_TWINS!r} (the default: "
+                  f"what `activations` says for the twins), None (weight-only, whatever the twins do) or 'int8' "
+                  f"(an 8-bit head may run on fbgemm's W8A8 'w8a8_cpu' while the twins stay as `activations` "
+                  f"says). The head is the largest single GEMV of a 1B model's exited step: on an AVX512-VNNI CPU, "
+                  f"captured, Llama-3.2-1B's shape at full quantization ran 2.68x the compiled backbone with it "
+                  f"against 2.21x weight-only; at SmolLM2's size it bought nothing (docs/activations.md)."},
     )
     verify_twins: str = field(
         default="sampled",
@@ -164,6 +176,13 @@ class RiverQuantConfig(QuantizationConfigMixin):
                 and self.activations != "int8":
             raise ValueError(f"`backend`={self.backend!r} quantizes activations to int8 (a fidelity cost); say so "
                              f"with activations='int8', or choose a weight-only backend.")
+        self.lm_head_activations = check_choice("lm_head_activations", self.lm_head_activations,
+                                                (AS_TWINS,) + ACTIVATIONS)
+        if KERNELS.get(self.backend) is not None and KERNELS[self.backend].quantizes_activations \
+                and self.quantize_lm_head and self.head_activations != "int8":
+            raise ValueError(f"`backend`={self.backend!r} quantizes activations to int8, but `lm_head_activations`="
+                             f"{self.lm_head_activations!r} keeps the LM head weight-only; use backend='fastest' "
+                             f"(it picks a kernel per layer), or quantize_lm_head=False.")
         self.lora_twins = check_choice("lora_twins", self.lora_twins, LORA_TWINS)
         self.verify_twins = check_choice("verify_twins", self.verify_twins, VERIFY_TWINS)
         self.quant_method = check_choice("quant_method", self.quant_method, (RIVER_QUANT_METHOD,))
@@ -299,6 +318,12 @@ class RiverQuantConfig(QuantizationConfigMixin):
         layers of a schedule. (A single `nbits=8` passes `group_size` on: the int8 kernel warns that it ignores it.)"""
         bits = self.nbits_for(layer_idx, num_layers)
         return None if self.is_schedule and bits == PER_ROW_NBITS else self.group_size
+
+    @property
+    def head_activations(self) -> str | None:
+        """What the quantized LM head's kernel may do to activations: `lm_head_activations`, or `activations` when
+        it says AS_TWINS."""
+        return self.activations if self.lm_head_activations == AS_TWINS else self.lm_head_activations
 
     @property
     def lm_head_group_size(self) -> int | None:

@@ -59,7 +59,7 @@ class StoredTwins:
         # tensor subclass or should land on the meta device, so the mode is set aside while reading.
         with torch._C.DisableTorchFunction():
             stored = cls._read_record(path)
-            if quant_config is None or quant_config.verify_twins == "full" or stored.packed(quant_config) is None:
+            if quant_config is None or quant_config.verify_twins == "full" or not stored.all_packed(quant_config):
                 stored.tensors  # noqa: B018 (reads and checks them)
         return stored
 
@@ -104,13 +104,19 @@ class StoredTwins:
                            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
         return tensors
 
-    def packed(self, quant_config):
-        """This machine's packed layout of these twins for the config's backend and activations
-        (packed_cache.PackedTwins), or None."""
-        asked = (quant_config.backend, quant_config.activations)
+    def packed(self, quant_config, activations: str | None):
+        """This machine's packed layout of these twins for the config's backend and `activations` (the twins' or the
+        LM head's) (packed_cache.PackedTwins), or None."""
+        asked = (quant_config.backend, activations)
         if asked not in self._packed:
             self._packed[asked] = read_packed(entry_key(self.record_key, *asked), quant_config.verify_twins)
         return self._packed[asked]
+
+    def all_packed(self, quant_config) -> bool:
+        """Whether this machine keeps the twins (and an LM head's activations, where they differ) packed for the
+        config."""
+        asked = {quant_config.activations} | ({quant_config.head_activations} if quant_config.quantize_lm_head else set())
+        return all(self.packed(quant_config, activations) is not None for activations in asked)
 
     def keep_packed(self) -> None:
         """Keep what this load packed for the CPU (with what it found kept) for the next load on this machine."""
@@ -152,7 +158,7 @@ class StoredTwins:
             if stored is None:
                 raise _Mismatch("no quantized LM head is stored")
             _check_asked(stored, quant_config.lm_head_nbits, quant_config.lm_head_group_size, "lm_head_nbits")
-            return self._linear(stored["linear"], head, quant_config)
+            return self._linear(stored["linear"], head, quant_config, quant_config.head_activations)
         except _Mismatch as mismatch:
             warnings.warn(f"river: the stored twins in {self.path} do not fit the LM head: {mismatch}. It is "
                           f"quantized again with HQQ.", TwinsMismatchWarning, stacklevel=3)
@@ -177,16 +183,17 @@ class StoredTwins:
             raise _Mismatch(f"other linears are quantized (stored {sorted(stored['linears'])}, now "
                             f"{sorted(quantized)}): `skip_modules` differs")
         for name, (path, linear) in quantized.items():
-            twin.set_submodule(path, self._linear(stored["linears"][name], linear, quant_config))
+            twin.set_submodule(path, self._linear(stored["linears"][name], linear, quant_config,
+                                                  quant_config.activations))
         return twin
 
-    def _linear(self, entry: dict, source: nn.Linear, quant_config) -> RiverQuantLinear:
-        """The stored twin of `source` (checked against its fingerprint), packed for the config's `backend` (and
-        `activations`) on its device: mapped from this machine's packed twins when they hold it, else packed from
-        the stored codes."""
+    def _linear(self, entry: dict, source: nn.Linear, quant_config, activations: str | None) -> RiverQuantLinear:
+        """The stored twin of `source` (checked against its fingerprint), packed for the config's `backend` and
+        `activations` (the twins' or the LM head's) on its device: mapped from this machine's packed twins when they
+        hold it, else packed from the stored codes."""
         source_fingerprint = self._checked_source(entry, source, quant_config.verify_twins)
         key, device = entry["key"], source.weight.device
-        packed = self.packed(quant_config) if device.type == "cpu" else None
+        packed = self.packed(quant_config, activations) if device.type == "cpu" else None
         if packed is not None and key in packed:
             linear = packed.linear(key)
         else:
@@ -194,9 +201,9 @@ class StoredTwins:
             linear = RiverQuantLinear.from_codes(codes, self.tensors[f"{key}.scale"], self.tensors[f"{key}.zero"],
                                                  self.tensors.get(f"{key}.bias"), nbits=entry["nbits"],
                                                  group_size=entry["group_size"], backend=quant_config.backend,
-                                                 device=device, activations=quant_config.activations)
+                                                 device=device, activations=activations)
             if device.type == "cpu":
-                self._newly_packed.setdefault((quant_config.backend, quant_config.activations), {})[key] = linear
+                self._newly_packed.setdefault((quant_config.backend, activations), {})[key] = linear
         linear.source_fingerprint = source_fingerprint
         return linear
 

@@ -20,7 +20,7 @@ from transformers import GenerationConfig
 
 from ...kernels import backbone_dtype, choice as kernel_choice, machine
 from ...checks import install_hint
-from ...core.config import AUTO_NBITS, RiverQuantConfig, bits_label
+from ...core.config import AS_TWINS, AUTO_NBITS, RiverQuantConfig, bits_label
 from ...core.generation import RiverConfig
 from ...loading.models import load_model_and_tokenizer
 from ..stored_twins import build_river_cached, has_kept_twins
@@ -234,16 +234,27 @@ def add_twin_args(parser: argparse.ArgumentParser) -> None:
                             "and takes the fastest (shown after the build); 'auto' takes the device's preferred "
                             "kernel without measuring (default: %(default)s).")
     group.add_argument("--activations", choices=["int8"], default=None,
-                       help="Let 8-bit twins and the 8-bit LM head run on fbgemm's dynamic int8 linear, which also "
-                            "rounds each token's activations to int8 (w8a8_cpu): faster on AVX2 CPUs, less faithful "
-                            "(default: weight-only kernels).")
+                       help="Let 8-bit twins and the 8-bit LM head (unless --lm-head-activations says otherwise) "
+                            "run on fbgemm's dynamic int8 linear, which also rounds each token's activations to int8 "
+                            "(w8a8_cpu): faster on AVX2 CPUs, less faithful (default: weight-only kernels).")
+    group.add_argument("--lm-head-activations", choices=["int8", "none"], default=None,
+                       help="What the quantized LM head's kernel may do to activations, apart from the twins: 'int8' "
+                            "lets the 8-bit head run on W8A8 while the twins stay weight-only (the largest single "
+                            "GEMV of a 1B model's exited step), 'none' keeps it weight-only (default: as "
+                            "--activations says).")
 
 
 def twin_config(args: argparse.Namespace) -> RiverQuantConfig:
     with user_errors():
         return RiverQuantConfig(nbits=args.nbits, group_size=args.group_size, start_layer=args.start_layer,
                                 backend=args.backend, quantize_lm_head=args.quantize_lm_head,
-                                lm_head_nbits=args.lm_head_nbits, activations=args.activations)
+                                lm_head_nbits=args.lm_head_nbits, activations=args.activations,
+                                lm_head_activations=_head_activations(args.lm_head_activations))
+
+
+def _head_activations(choice: str | None) -> str | None:
+    """--lm-head-activations: not given -> as the twins; 'none' -> weight-only (None); 'int8'."""
+    return AS_TWINS if choice is None else (None if choice == "none" else choice)
 
 
 def build(model, quant_config: RiverQuantConfig):
