@@ -4,7 +4,6 @@ asked (`activations="int8"`), and the river invariants with it."""
 from __future__ import annotations
 
 import copy
-import gc
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from river_hf.kernels.backends import resolve_backend
 from river_hf.kernels.quantize import RiverQuantLinear
 
 from conftest import assert_full_quantization_is_exact, generate, river_of, tiny_model
-from test_static_cache import GraphCounter, cpu_compile, fresh_dynamo, same_run  # noqa: F401 (a fixture)
 
 CPU = torch.device("cpu")
 IN, OUT = 256, 128
@@ -155,43 +153,3 @@ def test_river_invariants_with_w8a8_twins_and_head(prompt_ids):
     river_hf.remove_river(river)
     assert torch.equal(generate(model, prompt_ids).sequences, plain)
 
-
-# ---------------------------------------------------------------- captured steps
-
-
-def test_torch_compile_traces_the_kernel_without_a_graph_break(fresh_dynamo):
-    """fbgemm's packed weight is an opaque object dynamo cannot hold: the kernel reaches it through a custom op and
-    a handle, so a captured step stays one graph, computes what the eager call does, and follows a new weight."""
-    _, quantized = twin()
-    decode, prompt = torch.randn(1, IN), torch.randn(5, IN)
-    explanation = torch._dynamo.explain(quantized)(decode)
-    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
-    compiled = torch.compile(quantized, backend="eager", fullgraph=True)
-    for x in (decode, prompt):
-        assert torch.equal(compiled(x), quantized(x))
-    _, other = twin(seed=3)
-    quantized.load_state_dict(other.state_dict())  # packed again: a new handle, which the graph's guard sees
-    assert torch.equal(compiled(decode), other(decode))
-
-
-def test_a_packed_weight_lives_as_long_as_its_module():
-    _, quantized = twin()
-    handle = quantized.kernel_inputs["packed"].handle
-    assert handle in fbgemm_w8a8.PACKED_WEIGHTS
-    del quantized
-    gc.collect()
-    assert handle not in fbgemm_w8a8.PACKED_WEIGHTS
-
-
-def test_captured_river_with_w8a8_twins_and_head_is_one_graph_per_depth(prompt_ids, fresh_dynamo):
-    model = tiny_model("llama")
-    backbone = GraphCounter()
-    generate(model, prompt_ids, cache_implementation="static", compile_config=cpu_compile(backbone.backend))
-    torch._dynamo.reset()
-    river_of(model, nbits=8, group_size=None, quantize_lm_head=True, activations="int8")
-    counter = GraphCounter()
-    for tau in (1.5, -1):
-        out = generate(model, prompt_ids, tau=tau, exit_signal="confidence", cache_implementation="static",
-                       compile_config=cpu_compile(counter.backend))
-        same_run(out, generate(model, prompt_ids, tau=tau, exit_signal="confidence"))
-    assert counter.frame_count == backbone.frame_count + 1  # a graph break would add frames

@@ -27,6 +27,8 @@ import warnings
 import numpy as np
 import torch
 
+from .opaque_calls import OpaqueCall
+
 REQUIRED_MODULES = ("onnxruntime", "onnx")
 # MLAS's int8-activation path (CompInt8). Levels 0-3 compute in fp32 and were slower than a bf16 GEMV on AVX2.
 _ACCURACY_LEVEL = 4
@@ -116,13 +118,15 @@ def prepack(buffers: dict, nbits: int) -> "MatMulNBits":
     return MatMulNBits(buffers, nbits)
 
 
-class MatMulNBits:
-    """One ONNX Runtime session holding one linear's weight. `__call__(x [M, K] float)` -> fp32 [M, N]."""
+class MatMulNBits(OpaqueCall):
+    """One ONNX Runtime session holding one linear's weight. `__call__(x [M, K] float)` -> fp32 [M, N] (an
+    OpaqueCall: a captured step calls it through a custom op)."""
 
     def __init__(self, buffers: dict, nbits: int):
-        self._source = (buffers, nbits)  # to rebuild the session in a copy (copy.deepcopy, pickle)
         rows, groups, group_bytes = buffers["qweight"].shape
-        self.in_features, self.out_features = groups * group_bytes * 8 // nbits, rows
+        super().__init__(rows)
+        self._source = (buffers, nbits)  # to rebuild the session in a copy (copy.deepcopy, pickle)
+        self.in_features = groups * group_bytes * 8 // nbits
         self.session = _session(buffers, self.in_features, rows, self.in_features // groups, nbits)
         # A decode step's single row goes through buffers bound once (binding costs more than the run itself), one
         # set per thread: two threads generating with one model must not share them
@@ -147,7 +151,7 @@ class MatMulNBits:
         binding.bind_output("Y", "cpu", 0, np.float32, list(y.shape), y.data_ptr())
         return binding
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows == 1:
             row_in, row_out, binding = self._row_binding()

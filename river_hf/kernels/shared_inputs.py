@@ -29,6 +29,7 @@ from torch import nn
 
 from . import matmulnbits as ort_kernel
 from .choice import TIE_MARGIN, fastest_backend
+from .opaque_calls import OpaqueCall
 from .quantize import RiverQuantLinear
 
 # Members by their HF names, in calling order. Llama, Mistral, Qwen2/3, Gemma and most decoder-only models use them.
@@ -73,14 +74,18 @@ def _input_key(x: torch.Tensor) -> tuple:
     return x.data_ptr(), x.dtype, tuple(x.shape), x.stride(), version
 
 
-class GroupMember:
+class GroupMember(OpaqueCall):
     """A member's `kernel_inputs`: called as its MatMulNBits session was, `(x [M, K]) -> fp32 [M, N]`."""
 
     def __init__(self, group: SharedInputGroup, index: int):
+        super().__init__(group.sizes[index])
         self.group, self.index = group, index
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.output(self.index, x)
+
+    def __reduce__(self):  # copied with the module: the copy's members share the copied group
+        return GroupMember, (self.group, self.index)
 
 
 def sibling_groups(module: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
