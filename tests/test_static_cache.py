@@ -15,6 +15,7 @@ from transformers import CompileConfig
 import river_hf
 from river_hf import RiverStaticCache
 
+from test_peft import MAKERS as LORA_MAKERS
 from conftest import (ARCHITECTURES, confidence_tau, decoded_depths, generate, mixed_tau, plain_copy_with_twins,
                       river_of, tiny_model)
 
@@ -125,6 +126,23 @@ def test_captured_confidence_steps_are_two_graphs(arch, prompt_ids, fresh_dynamo
     assert set(decoded_depths(out.cache).unique().tolist()) == {START, 6}
     # one graph per depth (the backbone's own count for the first), kept across calls and their new caches
     assert counter.frame_count == backbone.frame_count + 1
+
+
+@pytest.mark.parametrize("lora_twins", ["full_precision", "merged"])
+@pytest.mark.parametrize("maker", ["peft_model", "in_place"])
+def test_a_river_on_lora_adapters_is_captured_too(maker, lora_twins, prompt_ids, fresh_dynamo):
+    """Twins of LoRA-adapted linears (the LoRA on top of the quantized weight, or one merged linear) in captured
+    steps: one graph per depth, the eager river's tokens and exits, the adapted model's tokens at tau > 1."""
+    model = LORA_MAKERS[maker]()
+    adapted = generate(model, prompt_ids).sequences
+    river_of(model, quantize_lm_head=True, lora_twins=lora_twins)
+    counter = GraphCounter()
+    for tau in (1.5, -1):
+        out = generate(model, prompt_ids, tau=tau, exit_signal="confidence", cache_implementation="static",
+                       compile_config=cpu_compile(counter.backend))
+        same_run(out, generate(model, prompt_ids, tau=tau, exit_signal="confidence"))
+        assert tau < 1 or torch.equal(out.sequences, adapted)
+    assert counter.frame_count == 2
 
 
 def test_captured_river_with_module_guards_skipped(prompt_ids, fresh_dynamo):
