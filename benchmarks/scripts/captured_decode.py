@@ -82,6 +82,8 @@ def main(argv=None) -> dict:
                         help="the twins' precision, as RiverQuantConfig(nbits=...) (default: auto)")
     parser.add_argument("--start-layer", type=int, default=None,
                         help="RiverQuantConfig(start_layer=...): backbone layers every token runs (default: its own)")
+    parser.add_argument("--activations", choices=["int8"], default=None,
+                        help="RiverQuantConfig(activations='int8'): 8-bit twins and head may run on W8A8")
     parser.add_argument("--lm-head-activations", choices=["int8"], default=None,
                         help="RiverQuantConfig(lm_head_activations='int8'): the 8-bit head of exited steps may run on "
                              "W8A8 (default: weight-only, as the twins)")
@@ -94,7 +96,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=torch.bfloat16)
-    model = build_river(model.to(args.device), RiverQuantConfig(nbits=args.nbits, **start_layer(args), **head(args)))
+    model = build_river(model.to(args.device), RiverQuantConfig(nbits=args.nbits, **start_layer(args), **kernel_settings(args)))
     prompts = [build_chat_inputs(tokenizer, text) for text in CHAT + load_prompts(args.gsm8k).prompts]
     prompts = [{key: value.to(args.device) for key, value in inputs.items()} for inputs in prompts]
     configs = systems(args)
@@ -156,8 +158,10 @@ def start_layer(args) -> dict:
     return {} if args.start_layer is None else {"start_layer": args.start_layer}
 
 
-def head(args) -> dict:
-    return {} if args.lm_head_activations is None else {"lm_head_activations": args.lm_head_activations}
+def kernel_settings(args) -> dict:
+    """The kernels' activation settings asked on the command line."""
+    asked = {"activations": args.activations, "lm_head_activations": args.lm_head_activations}
+    return {name: value for name, value in asked.items() if value is not None}
 
 
 def teacher_forced_match(model, prompts: list[dict], configs: dict, tokens: int) -> dict:
@@ -175,8 +179,8 @@ def report(args, warm_up: dict, timings: dict, fidelity: dict, num_layers: int) 
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU {torch.backends.cpu.get_cpu_capability()}"
     print(f"{device}, {torch.get_num_threads()} threads, torch {torch.__version__}; {len(reference)} runs per system "
           f"({args.rounds} rounds), {args.max_new_tokens} new tokens, confidence tau {args.tau}, twins nbits "
-          f"{args.nbits}, start layer {args.start_layer or 'default'}, LM head activations "
-          f"{args.lm_head_activations or 'as the twins'}")
+          f"{args.nbits}, start layer {args.start_layer or 'default'}, activations {args.activations or 'weight-only'}, "
+          f"LM head activations {args.lm_head_activations or 'as the twins'}")
     print(f"{'system':28s} {'warm-up s':>9s} {'tok/s':>7s} {'x compiled backbone':>19s} {'exit share':>10s} "
           f"{'match':>6s} {'teacher-forced match':>20s}")
     results = {}
