@@ -164,7 +164,8 @@ VALID_QUANT = {
     "group_size": st.sampled_from([32, 64, 128, 256, None]), "axis": st.just(1), "start_layer": st.integers(1, 99),
     "skip_modules": st.lists(st.sampled_from(["q_proj", "down_proj", "mlp.up_proj", "qkv_proj"]), max_size=3),
     "backend": st.sampled_from(BACKENDS), "activations": st.sampled_from([None, "int8"]),
-    "lm_head_activations": st.sampled_from(["as_twins", None, "int8"]), "lora_twins": st.sampled_from(["full_precision", "merged"]), "quantize_lm_head": st.booleans(),
+    "lm_head_activations": st.sampled_from(["as_twins", None, "int8"]),
+    "lora_twins": st.sampled_from(["full_precision", "merged"]), "quantize_lm_head": st.booleans(),
     "lm_head_nbits": st.sampled_from(NBITS), "offload": st.sampled_from([None, "disk", "cpu"]),
     "offload_layers": st.one_of(st.just("auto"), st.lists(st.integers(0, 9), max_size=3)),
     "offload_folder": st.one_of(st.none(), st.text(alphabet="abc/_", max_size=6)),
@@ -208,7 +209,8 @@ def quant_verdict(field: str, value) -> str:
         return EITHER if numeric_lookalike(value) and 0 < float(value) <= 1 else INVALID
     if field == "offload_exit_histogram":
         return VALID if valid_histogram(value) else INVALID
-    allowed = {"activations": (None, "int8"), "lm_head_activations": ("as_twins", None, "int8"), "lora_twins": ("full_precision", "merged"), "quant_method": ("river",),
+    allowed = {"activations": (None, "int8"), "lm_head_activations": ("as_twins", None, "int8"),
+               "lora_twins": ("full_precision", "merged"), "quant_method": ("river",),
                "offload": (None, "disk", "cpu"), "quantize_lm_head": (True, False)}[field]
     same_type = [choice for choice in allowed if type(choice) is type(value)]
     return VALID if any(value == choice for choice in same_type) else INVALID

@@ -96,7 +96,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=torch.bfloat16)
-    model = build_river(model.to(args.device), RiverQuantConfig(nbits=args.nbits, **start_layer(args), **kernel_settings(args)))
+    quant_config = RiverQuantConfig(nbits=args.nbits, **start_layer(args), **kernel_settings(args))
+    model = build_river(model.to(args.device), quant_config)
     prompts = [build_chat_inputs(tokenizer, text) for text in CHAT + load_prompts(args.gsm8k).prompts]
     prompts = [{key: value.to(args.device) for key, value in inputs.items()} for inputs in prompts]
     configs = systems(args)
@@ -179,8 +180,8 @@ def report(args, warm_up: dict, timings: dict, fidelity: dict, num_layers: int) 
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU {torch.backends.cpu.get_cpu_capability()}"
     print(f"{device}, {torch.get_num_threads()} threads, torch {torch.__version__}; {len(reference)} runs per system "
           f"({args.rounds} rounds), {args.max_new_tokens} new tokens, confidence tau {args.tau}, twins nbits "
-          f"{args.nbits}, start layer {args.start_layer or 'default'}, activations {args.activations or 'weight-only'}, "
-          f"LM head activations {args.lm_head_activations or 'as the twins'}")
+          f"{args.nbits}, start layer {args.start_layer or 'default'}, activations "
+          f"{args.activations or 'weight-only'}, LM head activations {args.lm_head_activations or 'as the twins'}")
     print(f"{'system':28s} {'warm-up s':>9s} {'tok/s':>7s} {'x compiled backbone':>19s} {'exit share':>10s} "
           f"{'match':>6s} {'teacher-forced match':>20s}")
     results = {}

@@ -37,7 +37,7 @@ VERIFY_TWINS = ("sampled", "full")
 # Fields that say how to load a saved river, not what its twins are: a RiverQuantConfig passed to from_pretrained for
 # a saved river sets these (those it sets to other than their default) on the saved config (transformers' "loading
 # attributes"); its other fields give way to the saved ones
-LOADING_FIELDS = ("backend", "activations", "lm_head_activations", "verify_twins")  # a LoRA-adapted linear's twin (river_hf.core.adapters.twin_of_adapted)
+LOADING_FIELDS = ("backend", "activations", "lm_head_activations", "verify_twins")
 AUTO_SHALLOW_SHARE, AUTO_SHALLOW_BITS, AUTO_DEEP_BITS = 0.25, 4, 8
 # lm_head_activations' default: the quantized LM head's kernels may do to activations what the twins' may
 AS_TWINS = "as_twins"

@@ -16,8 +16,8 @@ fastest on this machine for a layer's shape.
 | `hqq`               | any    | any     | dequantizes the whole weight on every call: the slow reference          |
 
 `w8a8_cpu` (river_hf.kernels.fbgemm_w8a8) and `matmulnbits_cpu` (river_hf.kernels.matmulnbits: int8 per block of K)
-are the kernels that are not weight-only. `w8a8_cpu` rounds each token's activations to 8 bits (7 without AVX512-VNNI) before an integer GEMM,
-so it costs fidelity the others do not, and a river uses it only when asked (`RiverQuantConfig(activations=
+are the kernels that are not weight-only. `w8a8_cpu` rounds each token's activations to 8 bits (7 without
+AVX512-VNNI) before an integer GEMM, so it costs fidelity the others do not, and a river uses it only when asked (`RiverQuantConfig(activations=
 "int8")`). It is there because on AVX2-only CPUs, where bf16 GEMVs and the int4 kernel are slow, its u8 x s8 GEMM
 is 2.2-2.3x a bf16 GEMV at Llama-3.2-1B's sizes, and slower at 576-wide ones (docs/activations.md).
 

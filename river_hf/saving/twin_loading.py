@@ -115,7 +115,9 @@ class StoredTwins:
     def all_packed(self, quant_config) -> bool:
         """Whether this machine keeps the twins (and an LM head's activations, where they differ) packed for the
         config."""
-        asked = {quant_config.activations} | ({quant_config.head_activations} if quant_config.quantize_lm_head else set())
+        asked = {quant_config.activations}
+        if quant_config.quantize_lm_head:
+            asked.add(quant_config.head_activations)
         return all(self.packed(quant_config, activations) is not None for activations in asked)
 
     def keep_packed(self) -> None:
