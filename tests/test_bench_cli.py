@@ -306,6 +306,16 @@ def test_twin_schedule_and_quantized_head_options():
     assert config.nbits == [8, 8, 4, 4, 4] and config.quantize_lm_head and config.lm_head_nbits == 4
 
 
+@pytest.mark.parametrize("flags, twins, head", [([], None, None), (["--activations", "int8"], "int8", "int8"),
+                                                 (["--lm-head-activations", "int8"], None, "int8"),
+                                                 (["--activations", "int8", "--lm-head-activations", "none"], "int8", None)])
+def test_activation_flags_reach_the_twins_and_the_head(flags, twins, head):
+    from river_hf.cli.commands.common import twin_config
+
+    config = twin_config(build_parser().parse_args(["bench", *flags]))
+    assert (config.activations, config.head_activations) == (twins, head)
+
+
 def test_quick_preset_and_overrides():
     args = build_parser().parse_args(["bench", "--quick", "--max-new-tokens", "16"])
     settings = (QUICK if args.quick else FULL).with_overrides(**vars(args))
