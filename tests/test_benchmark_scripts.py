@@ -205,10 +205,10 @@ def test_captured_decode_teacher_forced_match_is_one_where_the_river_never_exits
 
 
 def test_captured_decode_skip_module_guards_reaches_every_compiled_system():
-    """--skip-module-guards gives the compiled backbone and the captured rivers the same guard filter (a fair
-    comparison), and the eager systems no compile config."""
+    """--skip-module-guards and --cpp-wrapper give the compiled backbone and the captured rivers the same options (a
+    fair comparison), and the eager systems no compile config."""
     script = load_script("captured_decode")
-    args = SimpleNamespace(mode=None, max_new_tokens=4, tau=0.3, skip_module_guards=True)
+    args = SimpleNamespace(mode=None, max_new_tokens=4, tau=0.3, skip_module_guards=True, cpp_wrapper=False)
     configs = script.systems(args)
     compiled = {name: c.compile_config for name, c in configs.items() if c.cache_implementation == "static"}
     assert set(compiled) == {"backbone compiled", "river captured", "full quantization captured"}
@@ -216,6 +216,9 @@ def test_captured_decode_skip_module_guards_reaches_every_compiled_system():
                for c in compiled.values())
     plain = script.systems(SimpleNamespace(**{**vars(args), "skip_module_guards": False}))
     assert plain["backbone compiled"].compile_config.options is None
+    wrapped = script.systems(SimpleNamespace(**{**vars(args), "skip_module_guards": False, "cpp_wrapper": True}))
+    assert all(c.compile_config.options == {"cpp_wrapper": True}
+               for name, c in wrapped.items() if c.cache_implementation == "static")
 
 
 def test_captured_decode_step_split_adds_up_and_finds_matmuls_and_attention(prompt_ids):

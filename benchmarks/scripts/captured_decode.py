@@ -7,6 +7,7 @@
     python benchmarks/scripts/captured_decode.py --lm-head-activations int8  # the exited steps' head on W8A8
     python benchmarks/scripts/captured_decode.py --profile                # + where a decoded token's time goes
     python benchmarks/scripts/captured_decode.py --skip-module-guards     # compiled without nn.Module guards
+    python benchmarks/scripts/captured_decode.py --cpp-wrapper            # inductor's C++ wrapper, every system
 
 Systems, each one `generate` call per prompt, interleaved after a warm-up that pays the compilation (its seconds are
 printed): the backbone eager (dynamic cache) and compiled (transformers' `cache_implementation="static"` with its
@@ -45,7 +46,10 @@ def systems(args) -> dict:
     # --skip-module-guards: dynamo checks no guards on nn.Module state between steps (torch's "unsafe" filter: a
     # module changed after compiling goes unnoticed), for the compiled backbone and the captured rivers alike
     skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-    options = {"guard_filter_fn": skip} if args.skip_module_guards else None
+    options = {"guard_filter_fn": skip} if args.skip_module_guards else {}
+    if args.cpp_wrapper:  # inductor's C++ wrapper around its kernels instead of Python: less overhead per op
+        options["cpp_wrapper"] = True
+    options = options or None
     compile_config = CompileConfig(mode=args.mode, fullgraph=False, options=options)
     compile_config._compile_all_devices = True  # transformers compiles on CUDA by itself; on CPU only when told
     fixed = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False)
@@ -89,6 +93,8 @@ def main(argv=None) -> dict:
                              "W8A8 (default: weight-only, as the twins)")
     parser.add_argument("--skip-module-guards", action="store_true",
                         help="compile every system with torch.compiler.skip_guard_on_all_nn_modules_unsafe")
+    parser.add_argument("--cpp-wrapper", action="store_true",
+                        help="compile every system with inductor's cpp_wrapper (CompileConfig(options=...))")
     parser.add_argument("--profile", action="store_true",
                         help="split each system's decode step into matmuls, attention and the rest (torch.profiler)")
     parser.add_argument("--fidelity-tokens", type=int, default=64,
