@@ -19,7 +19,7 @@ from river_hf.saving import packed_cache
 
 from conftest import assert_full_quantization_is_exact, generate, river_of, tiny_model
 from test_packed_twins import entries, load, load_without_packing
-from test_saved_river import saved_river
+from test_saved_river import assert_same_river, saved_river
 
 pytestmark = [pytest.mark.skipif(not runs("w8a8_cpu", 8, torch.device("cpu")),
                                  reason="no fbgemm/x86 quantized engine in this torch"),
@@ -100,3 +100,14 @@ def test_a_saved_river_loads_its_head_on_w8a8_and_keeps_that_packing_apart(tmp_p
         assert torch.equal(out.sequences, generate(first, ids, tau=-1).sequences)
     assert torch.equal(generate(again, ids, tau=1.5).sequences, generate(saved, ids, tau=1.5).sequences)
     assert not glob.glob(os.path.join(cache, "*.tmp*"))
+
+
+def test_a_river_saved_with_its_head_on_w8a8_comes_back_the_same(tmp_path, monkeypatch):
+    monkeypatch.setenv("RIVER_HF_CACHE", str(tmp_path / "cache"))
+    saved, folder = saved_river(tmp_path, nbits=4, group_size=64, quantize_lm_head=True, lm_head_nbits=8,
+                                lm_head_activations="int8")
+    assert kernels(saved) == ({"int4pack_cpu"}, "w8a8_cpu")
+    loaded = load(folder)  # the saved config carries the setting
+    assert loaded.config.quantization_config.lm_head_activations == "int8"
+    assert kernels(loaded) == ({"int4pack_cpu"}, "w8a8_cpu")
+    assert_same_river(loaded, saved)
