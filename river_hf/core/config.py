@@ -87,9 +87,9 @@ class RiverQuantConfig(QuantizationConfigMixin):
         default=None,
         metadata={"help": f"What the twins' kernels may do to activations, one of {ACTIVATIONS}. None (the default): "
                   f"weight-only kernels, activations stay bf16/fp32. 'int8': 8-bit twins (and an 8-bit LM head, "
-                  f"unless `lm_head_activations` says otherwise) "
-                  f"may run on fbgemm's dynamic int8 linear ('w8a8_cpu', CPU), which rounds each token's "
-                  f"activations to 7 bits (8 on CPUs with AVX512-VNNI): 2.2-2.3x a bf16 GEMV at 1B-model sizes on AVX2, at a fidelity cost "
+                  f"unless `lm_head_activations` says otherwise) may run on fbgemm's dynamic int8 linear "
+                  f"('w8a8_cpu', CPU), which rounds each token's activations to 7 bits (8 on CPUs with "
+                  f"AVX512-VNNI): 2.2-2.3x a bf16 GEMV at 1B-model sizes on AVX2, at a fidelity cost "
                   f"(SmolLM2: 86.5% vs 97.7% match; docs/activations.md). 'auto' then prefers it; 'fastest' times "
                   f"it with the others, and with onnxruntime installed (river-hf[ort]) also ONNX Runtime's "
                   f"MatMulNBits ('matmulnbits_cpu': 4-bit twins, activations int8 per block), which "
