@@ -46,6 +46,25 @@ def test_compile_example_times_eager_and_compiled_layer_parts(saved_tiny_model):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # something was really compiled
 
 
+@pytest.mark.slow  # one graph per layer and per whole step: ~30 s on 2 cores
+def test_compile_example_times_whole_layers_one_graph_each_and_the_whole_step(saved_tiny_model):
+    import torch
+
+    example = load_script("compile_twins")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    results = example.main(["--model", str(saved_tiny_model), "--parts", "layer", "--whole-step", "--rounds", "1",
+                            "--max-new-tokens", "2"])
+    assert set(results) == {"backbone eager", "backbone compiled", "full-quant eager", "full-quant compiled",
+                            "backbone whole step compiled", "full-quant whole step compiled"}
+    assert all(r["ms_per_token"] > 0 for r in results.values())
+    # a graph of its own for every backbone layer and every twin (from layer 1), and the two whole steps
+    from transformers import AutoConfig
+
+    layers = AutoConfig.from_pretrained(saved_tiny_model).num_hidden_layers
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= layers + (layers - 1) + 2
+
+
 @pytest.mark.slow
 def test_start_time_example_loads_both_ways(capsys):
     table = load_script("start_time").main(["--rounds", "1"])
