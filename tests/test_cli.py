@@ -62,6 +62,30 @@ def test_generate_with_another_signal_and_kv_strategy(tiny_model_dir, capsys):
     assert f"mean exit depth {NUM_LAYERS // 2:.1f} of {NUM_LAYERS} layers" in line
 
 
+def test_generate_compile_captures_the_decode_steps(tiny_model_dir, capsys, monkeypatch):
+    from transformers import CompileConfig
+
+    from river_hf.cli.commands import generate as generate_command
+    from river_hf.core.captured_decode import compile_config_for
+
+    assert compile_config_for("cpu")._compile_all_devices  # what --compile asks on a CPU, where HF compiles nothing
+    traced = CompileConfig(backend="eager", mode="default")  # dynamo's graphs without inductor's minutes on 2 cores
+    traced._compile_all_devices = True
+    monkeypatch.setattr(generate_command, "compile_config_for", lambda device: traced)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert generate(tiny_model_dir, "--compile", "--tau", "-1", "--start-layer", "1", tokens=5) == 0
+    captured = capsys.readouterr()
+    line = summary_line(captured.out)
+    assert f"mean exit depth 1.0 of {NUM_LAYERS} layers" in line  # the static cache's record
+    assert "(without the 1 step that compiled first: " in line  # tau -1: one exit depth, one graph
+    assert "river: capturing the decode step exiting after 1 backbone layers" in captured.err
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    # the compiled backbone with --no-river
+    assert generate(tiny_model_dir, "--compile", "--no-river", tokens=3) == 0
+    assert f"every token ran all {NUM_LAYERS} layers" in summary_line(capsys.readouterr().out)
+
+
 def test_show_exits_colours_each_token(tiny_model_dir, capsys, monkeypatch):
     monkeypatch.delenv("NO_COLOR", raising=False)
     assert generate(tiny_model_dir, "--tau", "-1", "--start-layer", "2", "--show-exits", tokens=6) == 0
@@ -96,6 +120,8 @@ def test_sampling_with_a_seed_is_reproducible(tiny_model_dir, capsys):
     (["--nbits", "5"], "`nbits`=5 is not supported"),
     (["--tau", "nan"], "`tau` must be a real number"),
     (["--no-river", "--show-exits"], "--show-exits needs the river"),
+    (["--compile", "--lossless"], "--compile: `cache_implementation`='static' with `lossless`=True"),
+    (["--compile", "--kv-strategy", "mask"], "--compile: `cache_implementation`='static' needs `kv_strategy`='river'"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -140,6 +166,16 @@ def test_decode_rate_counts_tokens_after_the_first():
     assert stats.prefill_s == 0.5
     assert stats.decode_tokens_per_s == pytest.approx(3 / 2.0)
     assert stats.mean_exit_depth is None
+
+
+def test_decode_rate_leaves_out_the_steps_that_compiled():
+    # tokens 1 and 3 came from steps that compiled their graphs (10 s and 5 s); tokens 2 and 4 took 0.1 s each
+    streamer = types.SimpleNamespace(start=0.0, token_times=[0.5, 10.5, 10.6, 15.6, 15.7])
+    stats = GenerationStats.collect(streamer, num_layers=30, compiling_steps=[3, 1, 9])  # 9: past the last token
+    assert stats.decode_tokens_per_s == pytest.approx(2 / 0.2)
+    assert (stats.compiling_steps, stats.compiling_s) == (2, pytest.approx(15.0))
+    assert "decode 10.0 tok/s (without the 2 steps that compiled first: 15.0 s)" in stats.summary_line()
+    assert "compiled" not in GenerationStats.collect(streamer, num_layers=30).summary_line()
 
 
 def test_exit_stats_skip_the_prefill_token():

@@ -170,6 +170,12 @@ def test_captured_random_steps_one_graph_per_depth(prompt_ids, fresh_dynamo):
     out = generate(model, prompt_ids, cache_implementation="static", compile_config=cpu_compile(counter.backend), **kwargs)
     same_run(out, generate(model, prompt_ids, **kwargs))
     assert counter.frame_count == decoded_depths(out.cache).unique().numel() >= 2
+    # the cache notes the steps that compiled: the first at each depth, by position (what the CLI leaves out)
+    first_at_depth = {}
+    for step, depth in enumerate(decoded_depths(out.cache)[0].tolist()):
+        first_at_depth.setdefault(depth, out.cache.prompt_length + step)
+    assert sorted(out.cache.compiling_steps) == sorted(first_at_depth.values())
+    assert all(seconds > 0 for seconds in out.cache.compiling_steps.values())
 
 
 @pytest.mark.parametrize("signal", ["cosine", "cosine_first", "update_norm"])

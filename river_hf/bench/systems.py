@@ -15,13 +15,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
-from transformers import CompileConfig, GenerationConfig
+from transformers import GenerationConfig
 
 from ..core.architectures import find_decoder_layers
 from ..core.config import bits_label
 from ..core.generation import RiverConfig, resolve_auto_tau
 from ..core.twins import RiverLayer, river_layers, twin_linears
 from ..core.build import is_river
+from ..core.captured_decode import compile_config_for
 from ..core.settings import RiverSettings
 from ..core.signals import cosine_score, update_norm_score
 from ..core.kv_strategies import strategy_names
@@ -99,16 +100,6 @@ COMPILED_BACKBONE = "backbone (compiled)"
 CAPTURED = " (captured)"  # the name suffix of a river system whose decode steps run as captured graphs
 
 
-def compile_config(device: str) -> CompileConfig:
-    """transformers' CompileConfig for the static-cache decode step: its defaults (inductor, CUDA graphs) on CUDA;
-    elsewhere inductor's default mode, with the flag that lets transformers compile on that device at all."""
-    if torch.device(device).type == "cuda":
-        return CompileConfig()
-    config = CompileConfig(mode="default")
-    config._compile_all_devices = True
-    return config
-
-
 def is_compiled(config: GenerationConfig) -> bool:
     """A system whose decode steps transformers compiles (a static cache with a compile config)."""
     return getattr(config, "cache_implementation", None) == "static" and config.compile_config is not None
@@ -117,7 +108,7 @@ def is_compiled(config: GenerationConfig) -> bool:
 def compiled_systems(device: str, fixed: dict, exit_rates=(), seed: int = 0) -> list[System]:
     """What a user who knows transformers' static cache and compile has (the compiled backbone), and the river's
     systems captured the same way (river_hf.core.captured_decode): full quantization and random routing at each rate."""
-    static = dict(fixed, cache_implementation="static", compile_config=compile_config(device))
+    static = dict(fixed, cache_implementation="static", compile_config=compile_config_for(device))
     return [System(COMPILED_BACKBONE, "backbone", GenerationConfig(**static)),
             System(FULL_QUANT + CAPTURED, "full-quant", RiverConfig(**FULL_QUANT_RIVER, **static), tau=-1.0),
             *[System(f"random p={rate:g}{CAPTURED}", "random",

@@ -35,15 +35,23 @@ class GenerationStats:
     num_layers: int
     mean_exit_depth: float | None = None  # over decode steps; None without a river
     exit_share: float | None = None  # share of decode steps that ran fewer than num_layers backbone layers
+    compiling_steps: int = 0  # decode steps left out of the speed: they compiled their graph first (--compile)
+    compiling_s: float = 0.0  # their seconds
 
     @classmethod
-    def collect(cls, clock: TokenClock, num_layers: int, depths: list[int] | None = None) -> GenerationStats:
-        """From the clock that timed the call (`start`, `token_times`) and the new tokens' exit depths."""
+    def collect(cls, clock: TokenClock, num_layers: int, depths: list[int] | None = None,
+                compiling_steps=()) -> GenerationStats:
+        """From the clock that timed the call (`start`, `token_times`) and the new tokens' exit depths.
+        `compiling_steps`: indices of new tokens whose decode step compiled a graph first; the speed leaves them out."""
         times = clock.token_times
         prefill_s = times[0] - clock.start if times else math.nan
-        decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
-        rate = (len(times) - 1) / decode_s if decode_s > 0 else math.nan
-        stats = cls(new_tokens=len(times), prefill_s=prefill_s, decode_tokens_per_s=rate, num_layers=num_layers)
+        left_out = [k for k in set(compiling_steps) if 1 <= k < len(times)]
+        compiling_s = sum(times[k] - times[k - 1] for k in left_out)
+        decode_s = (times[-1] - times[0] if len(times) > 1 else 0.0) - compiling_s
+        steps = len(times) - 1 - len(left_out)
+        rate = steps / decode_s if steps > 0 and decode_s > 0 else math.nan
+        stats = cls(new_tokens=len(times), prefill_s=prefill_s, decode_tokens_per_s=rate, num_layers=num_layers,
+                    compiling_steps=len(left_out), compiling_s=compiling_s)
         decoded = depths[1:] if depths else []  # depths[0] belongs to the prefill
         if depths is not None:
             stats.mean_exit_depth = sum(decoded) / len(decoded) if decoded else math.nan
@@ -52,7 +60,9 @@ class GenerationStats:
 
     def summary_line(self, river: str | None = None) -> str:
         """One line; `river` describes the river's settings (None: the plain backbone ran)."""
-        parts = [f"{self.new_tokens} new tokens", f"decode {self.decode_tokens_per_s:.1f} tok/s",
+        compiled = (f" (without the {self.compiling_steps} step{'s' if self.compiling_steps > 1 else ''} that "
+                    f"compiled first: {self.compiling_s:.1f} s)" if self.compiling_steps else "")
+        parts = [f"{self.new_tokens} new tokens", f"decode {self.decode_tokens_per_s:.1f} tok/s{compiled}",
                  f"prefill {self.prefill_s:.2f} s"]
         if self.mean_exit_depth is None:
             parts.append(f"river off: every token ran all {self.num_layers} layers" + (f" ({river})" if river else ""))

@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import weakref
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 
+import torch
 from tqdm.auto import tqdm
+from transformers import CompileConfig
 
 from .kv_cache import RiverStaticCache
 from .lm_head import river_lm_head
@@ -56,10 +59,33 @@ def requested_setting(name: str, generation_config, kwargs: dict, model_default)
     return None
 
 
+def compile_config_for(device) -> CompileConfig:
+    """transformers' CompileConfig for captured decode steps on `device`: its defaults (inductor, CUDA graphs) on
+    CUDA; elsewhere inductor's default mode, with the flag without which transformers compiles nothing there."""
+    if torch.device(device).type == "cuda":
+        return CompileConfig()
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True  # transformers' own switch; it compiles on CUDA-like devices only by default
+    return config
+
+
 def check_static_river(model, settings, implementation: str | None) -> None:
     """Refuse, before anything runs, what a static river cache cannot hold (a ValueError naming the setting)."""
     if implementation not in STATIC_IMPLEMENTATIONS:
         return
+    check_static_settings(settings, implementation)
+    fix = "or drop `cache_implementation` (the default dynamic cache supports it)"
+    if not getattr(model, "_can_compile_fullgraph", False):
+        raise ValueError(f"`cache_implementation`={implementation!r}: transformers does not support a static cache "
+                         f"for {type(model).__name__}; drop `cache_implementation`.")
+    if any(getattr(module, "_hf_hook", None) is not None for module in model.modules()):
+        raise ValueError(f"`cache_implementation`={implementation!r} on a model with accelerate hooks (an offloaded "
+                         f"backbone, a device_map dispatch): they page weights in from Python on every call, which a "
+                         f"captured step cannot hold; call `river_hf.reload_backbone(model)` first, {fix}.")
+
+
+def check_static_settings(settings, implementation: str = "static") -> None:
+    """The river settings a static river cache cannot run (a ValueError naming the setting); needs no model."""
     fix = "or drop `cache_implementation` (the default dynamic cache supports it)"
     if settings.lossless:
         raise ValueError(f"`cache_implementation`={implementation!r} with `lossless`=True: lossless mode crops the cache "
@@ -70,13 +96,6 @@ def check_static_river(model, settings, implementation: str | None) -> None:
                          f"{settings.kv_strategy!r}): the other strategies leave some layers' slots unwritten for a "
                          f"while, and a static layer writes each new position at its own running count; use "
                          f"kv_strategy='river' {fix}.")
-    if not getattr(model, "_can_compile_fullgraph", False):
-        raise ValueError(f"`cache_implementation`={implementation!r}: transformers does not support a static cache "
-                         f"for {type(model).__name__}; drop `cache_implementation`.")
-    if any(getattr(module, "_hf_hook", None) is not None for module in model.modules()):
-        raise ValueError(f"`cache_implementation`={implementation!r} on a model with accelerate hooks (an offloaded "
-                         f"backbone, a device_map dispatch): they page weights in from Python on every call, which a "
-                         f"captured step cannot hold; call `river_hf.reload_backbone(model)` first, {fix}.")
 
 
 @contextmanager
@@ -147,7 +166,7 @@ class CapturedDecode:
         with self._head_for(exited=depth < router.num_layers):
             cache.planned_depth = depth
             try:
-                output = self._run(depth, router.num_layers, args, kwargs)
+                output = self._run(cache, depth, router.num_layers, args, kwargs)
             finally:
                 cache.planned_depth = None
         logits = output.logits  # [B, T, V]
@@ -156,16 +175,19 @@ class CapturedDecode:
             router.signal.observe_logits(logits)
         return output
 
-    def _run(self, depth: int, num_layers: int, args, kwargs):
-        """The compiled call; the first time at `depth` it compiles (seconds to minutes), shown as a progress line."""
+    def _run(self, cache, depth: int, num_layers: int, args, kwargs):
+        """The compiled call; the first time at `depth` it compiles (seconds to minutes), shown as a progress line
+        and noted in the cache's `compiling_steps`."""
         seen = _CAPTURED_DEPTHS.setdefault(self.compiled_call, set())
         if depth in seen:
             return self.compiled_call(*args, **kwargs)
         path = "on the backbone" if depth >= num_layers else f"exiting after {depth} backbone layers"
+        started = time.perf_counter()
         with tqdm(total=1, desc=f"river: capturing the decode step {path} (once per exit depth)",
                   file=sys.stderr) as bar:
             output = self.compiled_call(*args, **kwargs)
             bar.update(1)
+        cache.compiling_steps[cache.recorded_length] = time.perf_counter() - started
         seen.add(depth)
         return output
 

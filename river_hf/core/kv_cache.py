@@ -52,6 +52,9 @@ class ExitRecord:
         # A captured decode step's exit depth, fixed before the step starts (river_hf.core.captured_decode); None in eager steps.
         # The RiverLayers read it inside the compiled graph, where dynamo specialises on it: one graph per depth.
         self.planned_depth: int | None = None
+        # position -> seconds of each captured decode step that compiled its graph first (its depth's first step):
+        # a step's speed without compilation leaves them out (the CLI's summary line)
+        self.compiling_steps: dict[int, float] = {}
 
     def start_run(self, run: RiverRun) -> None:
         """Hand this cache the run of the call about to use it (a cache the caller or transformers made); a cache

@@ -1,7 +1,8 @@
 """`river-hf generate`: stream the answer to one prompt, then one summary line (speed, prefill, exit depth).
 
-    river-hf generate "What is 2+3?"              # the packaged SmolLM2-135M-Instruct, river at its defaults (tau 'auto')
+    river-hf generate "What is 2+3?"              # the packaged SmolLM2-135M-Instruct, the river at its defaults
     river-hf generate "What is 2+3?" --no-river   # the plain bf16 backbone, for comparison
+    river-hf generate "What is 2+3?" --compile    # decode steps captured and compiled (static cache)
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from ...bench.speed import TokenClock
 from ...core.config import bits_label
 from ..display import GenerationStats, render_exits, token_exit_depths
 from ...loading.models import build_chat_inputs
-from ...core.kv_cache import RiverCache
+from ...core.captured_decode import check_static_settings, compile_config_for
+from ...core.kv_cache import ExitRecord
 from ...core.settings import AUTO_TAU, DRAFT_HEURISTIC
 from . import common
 from .common import CLIError
@@ -44,6 +46,12 @@ def add_parser(subparsers) -> None:
                         help="Lossless mode: the river drafts K tokens (default 8; 'heuristic' adapts K), the "
                              "backbone verifies them, so the answer is the backbone's own; it falls back to plain "
                              "decoding where drafting does not pay (docs/lossless.md).")
+    parser.add_argument("--compile", action="store_true",
+                        help="Decode on transformers' static cache with each step captured and compiled "
+                             "(`cache_implementation='static'` and a compile_config, on a CPU too): the river's "
+                             "fastest decoding; the first step at each exit depth compiles (seconds to minutes, "
+                             "shown), later steps and runs reuse it (docs/static-cache.md). With --no-river: "
+                             "transformers' compiled backbone.")
     common.add_model_args(parser)
     common.add_river_args(parser, RIVER_FLAGS)
     parser.set_defaults(run=run, subparser=parser)
@@ -68,9 +76,14 @@ def run(args: argparse.Namespace) -> int:
     if args.lossless is not None and args.no_river:
         raise CLIError("--lossless drafts with the river: it cannot run with --no-river.")
     lossless = {} if args.lossless is None else {"lossless": True, "num_draft_tokens": args.lossless}
+    captured = ({"cache_implementation": "static", "compile_config": compile_config_for(args.device)} if args.compile
+                else {})
     quant_config, generation_config = common.river_configs(args, max_new_tokens=args.max_new_tokens,
                                                            do_sample=args.sample, return_dict_in_generate=True,
-                                                           **lossless)
+                                                           **lossless, **captured)
+    if args.compile and quant_config is not None:
+        with common.user_errors("--compile: "):  # before the model loads: what a static river cache cannot run
+            check_static_settings(generation_config.river_settings())
     model, tokenizer = common.load(args)
     if quant_config is not None:
         model = common.build(model, quant_config)
@@ -81,10 +94,11 @@ def run(args: argparse.Namespace) -> int:
     out = model.generate(**inputs, generation_config=generation_config, streamer=clock)
     prompt_length = inputs["input_ids"].shape[1]
     new_ids = out.sequences[0, prompt_length:].tolist()
-    # tau='auto' runs the plain backbone where exiting does not pay on this machine: then there is no RiverCache
-    ran_river = quant_config is not None and isinstance(out.cache, RiverCache)
+    # tau='auto' runs the plain backbone where exiting does not pay on this machine: then the cache has no exit record
+    ran_river = quant_config is not None and isinstance(out.cache, ExitRecord)  # dynamic or static
     depths = token_exit_depths(out.cache, prompt_length, len(new_ids)) if ran_river else None
-    stats = GenerationStats.collect(clock, common.num_layers(model), depths)
+    compiled = compiling_steps(out.cache, prompt_length) if args.compile else ()
+    stats = GenerationStats.collect(clock, common.num_layers(model), depths, compiled)
     print(stats.summary_line(None if quant_config is None else describe_river(args, quant_config, out.cache, model)))
     drafts = getattr(out.cache, "drafts", None)
     if drafts is not None:
@@ -97,9 +111,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def compiling_steps(cache, prompt_length: int) -> list[int]:
+    """Indices of the new tokens whose decode step compiled its graph first (--compile): a river's cache notes them
+    (the first step at each exit depth); transformers' compiled backbone compiles at its first decode step."""
+    if isinstance(cache, ExitRecord):
+        return sorted(position - prompt_length + 1 for position in cache.compiling_steps)
+    return [1]
+
+
 def describe_river(args: argparse.Namespace, quant_config, cache, model) -> str:
     """The river's settings for the summary line: the tau it used (and whether 'auto' chose it) and its twins."""
-    if not isinstance(cache, RiverCache):
+    if not isinstance(cache, ExitRecord):
         return "tau auto: exiting does not pay on this machine (see the warning above), so the backbone ran"
     auto = " (auto)" if args.tau == AUTO_TAU else ""
     bits = bits_label(quant_config.resolved_nbits(common.num_layers(model)))
