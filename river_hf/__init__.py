@@ -24,6 +24,7 @@ from .lossless.draft_control import DraftRecord
 from .offload.backbone import offload_backbone, offloaded_layers, reload_backbone
 from .offload.choice import exit_depth_histogram
 from .core.build import build_river, is_river, remove_river
+from .core.captured_decode import compile_config_for
 from .core.settings import RiverSettings
 from .core.signals import ExitSignal, register_signal, unregister_signal
 
@@ -88,6 +89,7 @@ __all__ = [
     "unregister_signal",
     "UnsupportedModelError",
     "build_river",
+    "compile_config_for",
     "exit_depth_histogram",
     "fastest_dtype",
     "offload_backbone",

@@ -163,6 +163,17 @@ def test_captured_river_with_module_guards_skipped(prompt_ids, fresh_dynamo):
     assert counter.frame_count == 2  # the backbone's graph and the exit's, as without the filter
 
 
+def test_compile_config_for_each_device():
+    """transformers' own defaults on CUDA (CUDA graphs); elsewhere inductor's default mode, with the flag without
+    which transformers compiles nothing off CUDA-like devices."""
+    from river_hf import compile_config_for
+
+    cpu = compile_config_for("cpu")
+    assert cpu._compile_all_devices and cpu.mode == "default"
+    cuda = compile_config_for(torch.device("cuda", 0))
+    assert not cuda._compile_all_devices and cuda.mode == CompileConfig().mode
+
+
 def test_captured_random_steps_one_graph_per_depth(prompt_ids, fresh_dynamo):
     model = river_of(tiny_model(), start_layer=3)
     counter = GraphCounter()
