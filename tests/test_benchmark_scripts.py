@@ -252,7 +252,7 @@ def test_captured_decode_step_split_adds_up_and_finds_matmuls_and_attention(prom
     prompt = prompt_ids[:1]
     inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
     for config in (GenerationConfig(do_sample=False), RiverConfig(tau=-1.0, do_sample=False)):
-        split = script.step_split(model, inputs, config, tokens=8)
+        split = script.step_split(model, inputs, config, tokens=32)  # 31 steps: their ops outweigh timing noise
         assert set(split) == {"matmuls", "attention", "rest", "total"}
         assert split["matmuls"] > 0 and split["attention"] > 0
         assert split["matmuls"] + split["attention"] + split["rest"] == pytest.approx(split["total"])
