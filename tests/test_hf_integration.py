@@ -74,3 +74,30 @@ def test_saving_a_built_river_writes_the_plain_backbone(saved_tiny_model, tmp_pa
     assert not river_hf.is_river(reloaded)
     ids = torch.tensor([[5, 9, 33, 70]])
     assert torch.equal(reloaded(ids).logits, AutoModelForCausalLM.from_pretrained(saved_tiny_model)(ids).logits)
+
+
+def test_pipeline_runs_the_captured_river(saved_tiny_model):
+    """A pipeline passes the static cache and compile config through: the river's steps are captured (dynamo's
+    graphs, run as traced: inductor would take minutes on 2 cores) and give the eager pipeline's tokens."""
+    from transformers import CompileConfig
+
+    from river_hf import RiverStaticCache
+
+    tokenizer = AutoTokenizer.from_pretrained(saved_tiny_model)
+    model = river_hf.build_river(AutoModelForCausalLM.from_pretrained(saved_tiny_model), progress=False)
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    traced = CompileConfig(backend="eager", mode=None)
+    traced._compile_all_devices = True  # what river_hf.compile_config_for("cpu") sets, with inductor
+    settings = dict(tau=-1, max_new_tokens=6, do_sample=False)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    static = RiverConfig(**settings, cache_implementation="static", compile_config=traced)
+    captured = generator(PROMPT, generation_config=static, return_tensors=True)[0]["generated_token_ids"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    eager = generator(PROMPT, generation_config=RiverConfig(**settings), return_tensors=True)[0]["generated_token_ids"]
+    assert list(captured) == list(eager)
+    # the same call outside the pipeline makes a RiverStaticCache with every position of every layer
+    out = model.generate(**tokenizer(PROMPT, return_tensors="pt"), generation_config=static, return_dict_in_generate=True)
+    assert isinstance(out.cache, RiverStaticCache)
+    out.cache.check_kv_integrity()
+    torch._dynamo.reset()
