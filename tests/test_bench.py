@@ -64,3 +64,58 @@ def test_interleaved_timing_runs_every_system_on_every_prompt(river_model):
     assert all(t.mean_exit_depth == 1 for t in timings["river"])
     assert all(math.isnan(t.mean_exit_depth) for t in timings["backbone"])
     assert median_rate(timings["river"]) > 0
+
+
+# ---- --compiled on a model: the compiled backbone and the captured rivers -----------------------------------------
+@pytest.fixture
+def defaults_exit(monkeypatch):
+    """The defaults system exits (confidence 0.3) whatever the tiny model's measured exit gain: tau 'auto' pinned."""
+    import dataclasses
+
+    from river_hf.bench import systems
+
+    monkeypatch.setattr(systems, "resolve_auto_tau", lambda model, settings: dataclasses.replace(settings, tau=0.3))
+
+
+def test_a_compiled_sweep_adds_the_compiled_backbone_and_captured_rivers(river_model, defaults_exit):
+    from river_hf.bench.systems import CAPTURED, COMPILED_BACKBONE, FULL_QUANT, Sweep
+
+    inputs = {"input_ids": torch.tensor([[5, 9, 33]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    by_name = {s.name: s for s in Sweep(taus=[1.5], exit_rates=[0.5], compiled=True).systems(river_model, inputs, 4)}
+    defaults = next(name for name, s in by_name.items() if s.kind == "defaults" and not name.endswith(CAPTURED))
+    captured = {COMPILED_BACKBONE, FULL_QUANT + CAPTURED, defaults + CAPTURED}
+    assert captured <= set(by_name)
+    assert not [name for name in by_name if name.endswith(CAPTURED) and name not in captured]  # random stays eager
+    config = by_name[defaults + CAPTURED].config
+    assert (config.tau, config.exit_signal, config.cache_implementation) == (0.3, "confidence", "static")
+    assert config.compile_config._compile_all_devices  # a CPU compiles only when told
+    for compiled in (False, None):  # None: on CUDA only
+        names = [s.name for s in Sweep(taus=[1.5], exit_rates=[0.5], compiled=compiled).systems(river_model, inputs, 4)]
+        assert COMPILED_BACKBONE not in names and not [name for name in names if name.endswith(CAPTURED)]
+
+
+def test_bench_compiled_times_the_captured_defaults_against_the_compiled_backbone(tmp_path, defaults_exit,
+                                                                                monkeypatch):
+    import json
+
+    from transformers import CompileConfig
+
+    from river_hf.bench import systems
+    from river_hf.cli import main
+    from conftest import save_tiny_model
+
+    traced = CompileConfig(backend="eager", mode=None)  # dynamo's graphs, run as traced: no minutes of inductor
+    traced._compile_all_devices = True
+    monkeypatch.setattr(systems, "compile_config_for", lambda device: traced)
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"question": "what is two plus three?"}\n')
+    output = tmp_path / "run.json"
+    assert main(["bench", "--model", save_tiny_model(tmp_path / "tiny"), "--data", str(data), "--compiled",
+                 "--taus", "1.5", "--exit-rates", "0.5", "--prompts", "1", "--rounds", "1", "--max-new-tokens", "4",
+                 "--fidelity-prompts", "1", "--fidelity-tokens", "4", "--backend", "auto", "--no-plots",
+                 "--output", str(output)]) == 0
+    records = {s["name"]: s for s in json.loads(output.read_text())["systems"]}
+    captured = next(s for name, s in records.items() if s["kind"] == "defaults" and name.endswith(systems.CAPTURED))
+    assert captured["summary"]["ratio_vs_compiled_backbone"] > 0
+    assert captured["fidelity"]["match"] is not None  # its settings' teacher-forced match, as the eager defaults'
+    assert records[systems.COMPILED_BACKBONE]["summary"]["ratio_vs_compiled_backbone"] == pytest.approx(1.0)

@@ -387,6 +387,8 @@ def test_bad_prompt_files(tmp_path, lines, message):
     (["--signals", "random"], "invalid choice: 'random'"),
     (["--nbits", "8*x"], "expected bits (e.g. 4) or a schedule"),
     (["--nbits", "8*2,5"], "`nbits`[2]=5 is not supported"),
+    (["--compiled", "--strategies", "all"], "--strategies, --lossless and --offload cannot run on a static cache"),
+    (["--compiled", "--lossless", "4"], "leave out --compiled"),
 ])
 def test_bad_bench_arguments(args, message, capsys):
     with pytest.raises(SystemExit) as info:

@@ -33,6 +33,7 @@ from .systems import (
     System,
     _copy_containers,
     compiled_systems,
+    compiles_by_default,
     fixed_length,
     random_systems,
     static_full_quant,
@@ -110,7 +111,7 @@ def bench_random_model(name: str, settings: BenchSettings, quant: RiverQuantConf
                        dtype: torch.dtype = torch.bfloat16, compiled: bool | None = None) -> dict:
     """The whole scaling bench of shape `name` as one JSON-ready record (speed, memory, bytes; no fidelity).
     `compiled` (default: on CUDA) adds the compiled backbone and the captured river systems."""
-    compiled = torch.device(device).type == "cuda" if compiled is None else compiled
+    compiled = compiles_by_default(device) if compiled is None else compiled
     started = environment()
     model = random_model(name, seed=seed, device=device, dtype=dtype)
     parameters = model.num_parameters()

@@ -116,6 +116,24 @@ def compiled_systems(device: str, fixed: dict, exit_rates=(), seed: int = 0) -> 
                      signal="random") for rate in exit_rates]]
 
 
+def compiles_by_default(device: str) -> bool:
+    """Whether a bench adds the compiled systems when not told: on CUDA (seconds to compile), not on a CPU (minutes)."""
+    return torch.device(device).type == "cuda"
+
+
+def captured_systems(device: str, fixed: dict, defaults: System | None = None) -> list[System]:
+    """A model's compiled systems: the compiled backbone, full quantization captured and, where the defaults exit,
+    the defaults captured (their signal plans every step: two graphs). Random routing stays eager here: captured, it
+    compiles one graph per depth drawn."""
+    systems = compiled_systems(device, fixed)
+    if defaults is not None and isinstance(defaults.config, RiverConfig):
+        static = dict(fixed, cache_implementation="static", compile_config=compile_config_for(device))
+        systems.append(System(defaults.name + CAPTURED, "defaults",
+                              RiverConfig(tau=defaults.tau, exit_signal=defaults.signal, **static), tau=defaults.tau,
+                              signal=defaults.signal))
+    return systems
+
+
 def random_systems(rates: list[float], seed: int, fixed: dict) -> list[System]:
     """Blind mixing: each decoded token goes to the twins at a random layer with probability p (no signal)."""
     return [System(f"random p={rate:g}", "random",
@@ -175,6 +193,7 @@ class Sweep:
     packaged: bool = False
     quick: bool = False
     defaults: bool = True  # also the river at its defaults (tau 'auto'), as a user's plain RiverConfig() runs it
+    compiled: bool | None = None  # also the compiled backbone and captured rivers (None: on CUDA only)
 
     def systems(self, river_model: nn.Module, inputs: dict, max_new_tokens: int) -> list[System]:
         """The systems, every one generating exactly `max_new_tokens`; `inputs`: one chat prompt, for the grids
@@ -186,7 +205,11 @@ class Sweep:
             return [reference_systems(None, fixed)[0], *strategy_systems(names, taus, fixed)]
         taus = self.taus if self.taus is not None else default_taus(river_model, inputs, self.packaged, self.quick)
         systems = reference_systems(static_full_quant(river_model), fixed)
-        systems += [defaults_system(river_model, fixed)] if self.defaults else []
+        defaults = defaults_system(river_model, fixed) if self.defaults else None
+        systems += [defaults] if defaults is not None else []
+        device = str(river_model.device)
+        if compiles_by_default(device) if self.compiled is None else self.compiled:
+            systems += captured_systems(device, fixed, defaults)
         systems += signal_systems("cosine", river_taus(taus), fixed)
         for signal in dict.fromkeys(self.signals):
             grid = self.signal_taus or signal_taus(river_model, inputs, signal, self.quick, self.signal_layer)

@@ -19,7 +19,7 @@ A similarity signal between the extremes (cosine, update_norm, cosine_first) rea
 each eligible layer: such steps run eagerly, layer by layer, over the static cache. A compiled step would break its
 graph at every decision, into one graph per layer (attention indexes the cache with `layer_idx`, so each layer's is
 its own), and `benchmarks/scripts/compile_twins.py --parts layer --whole-step` measured layers compiled one by one as
-slower than eager ones on a CPU (0.76-0.94x; the whole step compiled: 1.20-1.26x; benchmarks/avx512.md).
+slower than eager ones on a CPU (0.76-0.94x; the whole step compiled: 1.20-1.26x; benchmarks/zen5.md).
 """
 
 from __future__ import annotations

@@ -40,6 +40,12 @@ def add_parser(subparsers) -> None:
                         help="JSON file, or a folder to write bench-<timestamp>.json in (default: "
                              "runs/bench-<timestamp>.json); the plots go beside it.")
     parser.add_argument("--no-plots", action="store_true", help="Skip the PNG plots.")
+    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                        help="Also run transformers' compiled static-cache backbone (`cache_implementation='static'` "
+                             "with its compile config: what a user who knows HF's switches has) and the river's "
+                             "captured decode steps: full quantization and the defaults (with --random-model: full "
+                             "quantization and random routing); ratios against the compiled backbone get their own "
+                             "column. Default: on with --device cuda, off on CPU (inductor takes minutes there).")
     _add_random_model_args(parser)
     _add_sweep_args(parser)
     add_offload_args(parser)
@@ -71,12 +77,6 @@ def _add_random_model_args(parser: argparse.ArgumentParser) -> None:
                             "only the 4-bit twins with the 8-bit head, where two builds do not fit in memory; "
                             "`--twin-bits 8` only the 8-bit twins, with the 8-bit head (with --activations int8: W8A8 "
                             "twins).")
-    group.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
-                       help="Also run transformers' compiled static-cache backbone (`cache_implementation='static'` "
-                            "with its compile config: what a user who knows HF's switches has) and the river's "
-                            "captured decode steps (full quantization, random routing); ratios against the compiled "
-                            "backbone get their own column. Default: on with --device cuda, off on CPU (inductor "
-                            "takes minutes there).")
 
 
 def _add_sweep_args(parser: argparse.ArgumentParser) -> None:
@@ -158,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.taus is not None and not all(math.isfinite(tau) for tau in args.taus):
         raise CLIError(f"--taus must be real numbers; got {args.taus}.")
+    if args.compiled and (args.strategies or args.lossless is not None or args.offload is not None):
+        raise CLIError("--compiled adds captured systems to the tau sweep or --random-model; --strategies, --lossless "
+                       "and --offload cannot run on a static cache (other KV strategies, cropped caches, offload "
+                       "hooks): leave out --compiled.")
     quant_config = common.twin_config(args)
     output = common.output_path(args, records.default_name("bench"))
     settings = (QUICK if args.quick else FULL).with_overrides(**vars(args))
@@ -174,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     sweep = Sweep(taus=args.taus, signals=args.signals, signal_taus=args.signal_taus, signal_layer=args.signal_layer,
                   exit_rates=args.exit_rates, seed=args.seed, strategies=args.strategies,
                   strategy_taus=args.strategy_taus, packaged=args.model is None and args.gguf_file is None,
-                  quick=args.quick)
+                  quick=args.quick, compiled=args.compiled)
     record = bench(model, tokenizer, prompt_set.prompts, settings, sweep, model_id=model_id,
                    prompt_source=prompt_set.source, arguments=common.arguments(args), started=started)
     output = records.write_record(record, output)
