@@ -128,9 +128,26 @@ def assert_full_quantization_is_exact(river, prompt_ids, plain, start_layer: int
     out = generate(river, prompt_ids, tau=-1)
     assert (out.cache.exit_depth == start_layer).all()
     out.cache.check_kv_integrity()
-    reference = plain_copy_with_twins(river)
-    reference.set_output_embeddings(reference.get_output_embeddings().quantized_head)
+    reference = with_exited_head(plain_copy_with_twins(river))
     assert torch.equal(out.sequences, generate(reference, prompt_ids).sequences)
+
+
+class ExitedHead(torch.nn.Module):
+    """A RiverLMHead as a plain model's head that always gives an exited step's logits (`exited_logits`: the
+    quantized head's, their top `exact_top_k` recomputed by the original head)."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, hidden_states):
+        return self.head.exited_logits(hidden_states)
+
+
+def with_exited_head(reference):
+    """`reference` (a plain copy of a river model) whose head always computes as an exited step's."""
+    reference.set_output_embeddings(ExitedHead(reference.get_output_embeddings()))
+    return reference
 
 
 # ---------------------------------------------------------------- generating

@@ -301,9 +301,11 @@ def test_river_taus_drop_full_quant_and_duplicates():
 def test_twin_schedule_and_quantized_head_options():
     from river_hf.cli.commands.common import twin_config
 
-    args = build_parser().parse_args(["bench", "--nbits", "8*2,4*3", "--quantize-lm-head", "--lm-head-nbits", "4"])
+    args = build_parser().parse_args(["bench", "--nbits", "8*2,4*3", "--quantize-lm-head", "--lm-head-nbits", "4",
+                                      "--lm-head-exact-top-k", "0"])
     config = twin_config(args)
     assert config.nbits == [8, 8, 4, 4, 4] and config.quantize_lm_head and config.lm_head_nbits == 4
+    assert config.lm_head_exact_top_k == 0 and twin_config(build_parser().parse_args(["bench"])).lm_head_exact_top_k == 4
 
 
 @pytest.mark.parametrize("flags, twins, head", [([], None, None), (["--activations", "int8"], "int8", "int8"),

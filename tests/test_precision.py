@@ -14,7 +14,7 @@ from river_hf import RiverQuantConfig
 from river_hf.core.lm_head import RiverLMHead, original_lm_head
 from river_hf.kernels.quantize import RiverQuantLinear
 
-from conftest import count_calls, generate, plain_copy_with_twins, river_of, tiny_model
+from conftest import count_calls, generate, plain_copy_with_twins, river_of, tiny_model, with_exited_head
 
 IDS = torch.tensor([[5, 9, 33, 70, 12], [7, 101, 44, 3, 250]])
 RUN = dict(max_new_tokens=8, output_logits=True)  # what every generate here runs: 8 tokens, with their logits
@@ -144,7 +144,7 @@ def test_exited_steps_use_the_quantized_head(arch, head_bits, backend):
     assert (out.cache.exit_depth == 2).all()
     twins_only = generate(with_head(plain_copy_with_twins(model), "base_head"), IDS, **RUN)  # full quant., full head
     assert not all(torch.equal(a, b) for a, b in zip(out.logits, twins_only.logits))
-    reference = generate(with_head(plain_copy_with_twins(model), "quantized_head"), IDS, **RUN)  # ... quantized head
+    reference = generate(with_exited_head(plain_copy_with_twins(model)), IDS, **RUN)  # ... an exited step's head
     assert torch.equal(out.sequences, reference.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, reference.logits))
 
@@ -240,3 +240,67 @@ def test_quantize_lm_head_needs_an_output_embedding():
     with pytest.raises(river_hf.UnsupportedModelError, match="`quantize_lm_head=True`: LlamaModel has no output"):
         river_hf.build_river(base, RiverQuantConfig(quantize_lm_head=True), progress=False)
     assert not river_hf.is_river(base)
+
+
+# ---------------------------------------------------------------- the exited head's top logits, recomputed
+
+
+def exited_logits_at(k: int, head_bits: int = 4):
+    """(exited logits at `exact_top_k`=k, the quantized head's, the original head's) on random hidden states of a
+    tiny llama's RiverLMHead (a 4-bit head by default: coarse enough that its ranking differs from the original's)."""
+    model = river_hf.build_river(tiny_model("llama"), RiverQuantConfig(start_layer=2, lm_head_nbits=head_bits,
+                                                                       lm_head_exact_top_k=k, backend="auto"),
+                                 progress=False)
+    head = model.get_output_embeddings()
+    hidden = torch.randn(3, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))  # [B, T, H]
+    with torch.no_grad():
+        return head.exited_logits(hidden), head.quantized_head(hidden), head.base_head(hidden)
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_an_exited_step_gets_its_top_k_logits_from_the_original_head(k):
+    exited, quantized, original = exited_logits_at(k)
+    top = quantized.topk(k, dim=-1).indices
+    assert torch.allclose(exited.gather(-1, top), original.gather(-1, top), atol=1e-5)
+    rest = torch.ones_like(exited, dtype=torch.bool).scatter(-1, top, False)
+    # the other logits stay the quantized head's, kept strictly below the lowest recomputed one
+    floor = exited.gather(-1, top).min(-1, keepdim=True).values.expand_as(exited)
+    assert (exited[rest] < floor[rest]).all()
+    assert torch.equal(exited[rest & (quantized < floor)], quantized[rest & (quantized < floor)])
+    assert (exited[rest] < quantized[rest]).any() or k > 1  # k=1 on a 4-bit head: the clamp is needed here
+    # wherever the quantized head ranks the original head's token among its top k, the greedy token is the original's
+    ranked = (top == original.argmax(-1, keepdim=True)).any(-1)
+    assert ranked.any() and torch.equal(exited.argmax(-1)[ranked], original.argmax(-1)[ranked])
+
+
+def test_the_recomputed_top_keeps_its_rank_compiled_in_bfloat16():
+    """inductor computes bf16 pointwise ops in float32 and rounds back: the other logits must still end strictly below
+    the recomputed ones (argmax breaks ties by index)."""
+    model = river_hf.build_river(tiny_model("llama").to(torch.bfloat16),
+                                 RiverQuantConfig(start_layer=2, lm_head_nbits=4, lm_head_exact_top_k=1,
+                                                  backend="auto"), progress=False)
+    head = model.get_output_embeddings()
+    hidden = torch.randn(3, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.no_grad():
+        compiled = torch.compile(head.exited_logits, backend="inductor", fullgraph=True)(hidden)
+        eager, quantized = head.exited_logits(hidden), head.quantized_head(hidden)
+    for logits in (eager, compiled):
+        top = quantized.argmax(-1, keepdim=True)
+        assert torch.equal(logits.argmax(-1, keepdim=True), top)  # the recomputed logit stays the greedy one
+        rest = torch.ones_like(logits, dtype=torch.bool).scatter(-1, top, False)
+        assert (logits.masked_fill(~rest, float("-inf")).amax(-1, keepdim=True) < logits.gather(-1, top)).all()
+
+
+def test_exact_top_k_zero_keeps_the_quantized_logits():
+    exited, quantized, original = exited_logits_at(0)
+    assert torch.equal(exited, quantized)
+    assert not torch.equal(exited.argmax(-1), original.argmax(-1))  # what the recomputation is for
+
+
+def test_exact_top_k_is_checked_and_a_loading_setting():
+    assert RiverQuantConfig().lm_head_exact_top_k == 4
+    for bad in (-1, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="`lm_head_exact_top_k` must be an integer >= 0"):
+            RiverQuantConfig(lm_head_exact_top_k=bad)
+    assert "lm_head_exact_top_k" in RiverQuantConfig(lm_head_exact_top_k=0).get_loading_attributes()
+    assert "top 4 logits recomputed" in repr(river_of(tiny_model(), quantize_lm_head=True).lm_head)

@@ -37,8 +37,10 @@ VERIFY_TWINS = ("sampled", "full")
 # Fields that say how to load a saved river, not what its twins are: a RiverQuantConfig passed to from_pretrained for
 # a saved river sets these (those it sets to other than their default) on the saved config (transformers' "loading
 # attributes"); its other fields give way to the saved ones
-LOADING_FIELDS = ("backend", "activations", "lm_head_activations", "verify_twins")
+LOADING_FIELDS = ("backend", "activations", "lm_head_activations", "lm_head_exact_top_k", "verify_twins")
 AUTO_SHALLOW_SHARE, AUTO_SHALLOW_BITS, AUTO_DEEP_BITS = 0.25, 4, 8
+# lm_head_exact_top_k's default: the exited steps' top logits recomputed with the original head (docs/defaults.md)
+DEFAULT_EXACT_TOP_K = 4
 # lm_head_activations' default: the quantized LM head's kernels may do to activations what the twins' may
 AS_TWINS = "as_twins"
 
@@ -124,6 +126,13 @@ class RiverQuantConfig(QuantizationConfigMixin):
                   f"captured, Llama-3.2-1B's shape at full quantization ran 2.68x the compiled backbone with it "
                   f"against 2.21x weight-only; at SmolLM2's size it bought nothing (docs/activations.md)."},
     )
+    lm_head_exact_top_k: int = field(
+        default=DEFAULT_EXACT_TOP_K,
+        metadata={"help": "The quantized LM head's k highest logits of each exited step, recomputed from the "
+                  "original head's k rows (a few KB read per token), so the greedy token is the original head's "
+                  "on the same hidden state whenever the quantized head ranks it among its top k; 0 keeps the "
+                  "quantized logits as they are (docs/defaults.md)."},
+    )
     verify_twins: str = field(
         default="sampled",
         metadata={"help": f"Loading a saved river (its twins stored beside the checkpoint), one of {VERIFY_TWINS}: "
@@ -198,6 +207,10 @@ class RiverQuantConfig(QuantizationConfigMixin):
         if not isinstance(self.quantize_lm_head, bool):
             raise ValueError(f"`quantize_lm_head` must be True or False; got {self.quantize_lm_head!r}.")
         self.lm_head_nbits = check_choice("lm_head_nbits", self.lm_head_nbits, SUPPORTED_NBITS)
+        if not is_int(self.lm_head_exact_top_k) or self.lm_head_exact_top_k < 0:
+            raise ValueError(f"`lm_head_exact_top_k` must be an integer >= 0 (0: no logit recomputed); got "
+                             f"{self.lm_head_exact_top_k!r}.")
+        self.lm_head_exact_top_k = int(self.lm_head_exact_top_k)
         self._check_backend_runs_every_width()
         self._check_grouped_codes()
         self._check_offload()

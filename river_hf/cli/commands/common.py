@@ -242,6 +242,9 @@ def add_twin_args(parser: argparse.ArgumentParser) -> None:
                             "lets the 8-bit head run on W8A8 while the twins stay weight-only (the largest single "
                             "GEMV of a 1B model's exited step), 'none' keeps it weight-only (default: as "
                             "--activations says).")
+    group.add_argument("--lm-head-exact-top-k", type=non_negative_int, default=defaults.lm_head_exact_top_k,
+                       metavar="K", help="Recompute the quantized LM head's K highest logits of each exited step "
+                                         "from the original head's rows; 0: none (default: %(default)s).")
 
 
 def twin_config(args: argparse.Namespace) -> RiverQuantConfig:
@@ -249,7 +252,8 @@ def twin_config(args: argparse.Namespace) -> RiverQuantConfig:
         return RiverQuantConfig(nbits=args.nbits, group_size=args.group_size, start_layer=args.start_layer,
                                 backend=args.backend, quantize_lm_head=args.quantize_lm_head,
                                 lm_head_nbits=args.lm_head_nbits, activations=args.activations,
-                                lm_head_activations=_head_activations(args.lm_head_activations))
+                                lm_head_activations=_head_activations(args.lm_head_activations),
+                                lm_head_exact_top_k=args.lm_head_exact_top_k)
 
 
 def _head_activations(choice: str | None) -> str | None:
