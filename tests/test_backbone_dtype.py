@@ -1,4 +1,5 @@
-"""The backbone's dtype, chosen by measurement (river_hf.kernels.backbone_dtype) and by the command line's --dtype auto."""
+"""The backbone's dtype, chosen by measurement (river_hf.kernels.backbone_dtype) and by the command line's
+--dtype auto."""
 
 import pytest
 import torch

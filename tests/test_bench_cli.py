@@ -270,7 +270,8 @@ def test_static_full_quant_shares_every_tensor_and_leaves_the_river_alone():
     river_tensors = {t.data_ptr() for t in (*model.parameters(), *model.buffers())}
     assert all(t.data_ptr() in river_tensors for t in (*static.parameters(), *static.buffers()))
     assert not river_hf.is_river(static)
-    assert all(isinstance(layer, river_hf.RiverLayer) for layer in river_hf.core.architectures.find_decoder_layers(model))
+    assert all(isinstance(layer, river_hf.RiverLayer)
+               for layer in river_hf.core.architectures.find_decoder_layers(model))
     # prefill_exit="sequence": the prompt on the twins too, as the static copy runs it ("auto" follows this machine's
     # measured prompt-shaped timing, which made the test pass or fail by machine and test order)
     expected = model.generate(ids, max_new_tokens=5, do_sample=False, tau=-1, exit_signal="cosine",
@@ -305,12 +306,14 @@ def test_twin_schedule_and_quantized_head_options():
                                       "--lm-head-exact-top-k", "0"])
     config = twin_config(args)
     assert config.nbits == [8, 8, 4, 4, 4] and config.quantize_lm_head and config.lm_head_nbits == 4
-    assert config.lm_head_exact_top_k == 0 and twin_config(build_parser().parse_args(["bench"])).lm_head_exact_top_k == 4
+    assert (config.lm_head_exact_top_k == 0
+            and twin_config(build_parser().parse_args(["bench"])).lm_head_exact_top_k == 4)
 
 
 @pytest.mark.parametrize("flags, twins, head", [([], None, None), (["--activations", "int8"], "int8", "int8"),
                                                  (["--lm-head-activations", "int8"], None, "int8"),
-                                                 (["--activations", "int8", "--lm-head-activations", "none"], "int8", None)])
+                                                 (["--activations", "int8", "--lm-head-activations", "none"],
+                                                  "int8", None)])
 def test_activation_flags_reach_the_twins_and_the_head(flags, twins, head):
     from river_hf.cli.commands.common import twin_config
 

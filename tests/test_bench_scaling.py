@@ -205,7 +205,9 @@ def test_without_matplotlib_the_record_stays_and_the_extra_is_named(tmp_path, mo
                        "--max-new-tokens", "2", "--prompt-length", "4", "--start-layer", "1", "--twin-bits", "4",
                        "--backend", "auto", "--output", str(output)])
     assert code == 0 and json.loads(output.read_text())["systems"]
-    assert "plots skipped: drawing them needs matplotlib, which is not installed here: `pip install river-hf[bench]`" in capsys.readouterr().err
+    assert ("plots skipped: drawing them needs matplotlib, which is not installed here: "
+            "`pip install river-hf[bench]`" in capsys.readouterr().err)
     with pytest.raises(SystemExit):
         run_cli(["plot", str(output), "--output", str(tmp_path / "p.svg")])
-    assert "`river-hf plot` needs matplotlib, which is not installed here: `pip install river-hf[bench]`" in capsys.readouterr().err
+    assert ("`river-hf plot` needs matplotlib, which is not installed here: `pip install river-hf[bench]`"
+            in capsys.readouterr().err)

@@ -129,7 +129,8 @@ def test_load_ab_compares_two_checkouts_in_fresh_processes(tmp_path):
     AutoModelForCausalLM.from_pretrained(plain, dtype=torch.bfloat16, quantization_config=RiverQuantConfig(
         backend="auto", nbits=4, group_size=64, start_layer=2, quantize_lm_head=False)).save_pretrained(river)
     seconds = load_ab.main([plain, river, load_ab.HERE, river, "--loads", "1"])
-    assert list(seconds) == ["plain", "old code", "this code"] and all(len(v) == 1 and v[0] > 0 for v in seconds.values())
+    assert (list(seconds) == ["plain", "old code", "this code"]
+            and all(len(v) == 1 and v[0] > 0 for v in seconds.values()))
 
 
 def test_inference_mode_example_times_every_system_in_both_modes(saved_tiny_model, capsys):

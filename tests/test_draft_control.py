@@ -1,5 +1,6 @@
-"""The lossless fallback rule (river_hf.lossless.draft_control.DraftControl.drafting_pays) on rounds with known costs: it stops
-drafting where the machine cannot make it pay, and does not stop on a few unlucky rounds where it pays overall."""
+"""The lossless fallback rule (river_hf.lossless.draft_control.DraftControl.drafting_pays) on rounds with known costs:
+it stops drafting where the machine cannot make it pay, and does not stop on a few unlucky rounds where it pays
+overall."""
 
 from __future__ import annotations
 

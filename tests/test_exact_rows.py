@@ -1,6 +1,6 @@
-"""Row-exact verification (river_hf.lossless.exact_rows): a lossless call's greedy output and cache are the plain model's bit
-for bit, in fp32 and bf16, with sdpa and eager attention; the pass's switches (attention implementation, row-wise
-linears) are undone after it, also when it fails."""
+"""Row-exact verification (river_hf.lossless.exact_rows): a lossless call's greedy output and cache are the plain
+model's bit for bit, in fp32 and bf16, with sdpa and eager attention; the pass's switches (attention implementation,
+row-wise linears) are undone after it, also when it fails."""
 
 from __future__ import annotations
 

@@ -113,7 +113,8 @@ def test_streamer_sees_the_generated_tokens(prompt_ids):
 
     model = river_of(tiny_model())
     streamer = Collect()
-    out = model.generate(prompt_ids[:1], generation_config=RiverConfig(tau=0.8, exit_signal="cosine", max_new_tokens=6, do_sample=False),
+    out = model.generate(prompt_ids[:1], generation_config=RiverConfig(tau=0.8, exit_signal="cosine", max_new_tokens=6,
+                                                                       do_sample=False),
                          streamer=streamer)
     assert streamer.tokens == out[0].tolist()  # the prompt, then each new token
 
@@ -192,7 +193,8 @@ def test_eos_stops_generation_and_the_record_matches(prompt_ids):
     out.cache.check_kv_integrity()
 
 
-@pytest.mark.parametrize("river_call", [{"tau": -1}, {"tau": -1, "lossless": True}, {}], ids=["river", "lossless", "plain"])
+@pytest.mark.parametrize("river_call", [{"tau": -1}, {"tau": -1, "lossless": True}, {}],
+                         ids=["river", "lossless", "plain"])
 def test_generate_runs_in_inference_mode_and_returns_tensors_autograd_can_use(river_call, prompt_ids):
     model = river_of(tiny_model())
     seen = []

@@ -14,7 +14,8 @@ PROMPT = "w5 w9 w33 w70 w12"
 
 
 def test_from_pretrained_with_quantization_config_builds_the_river(saved_tiny_model):
-    model = AutoModelForCausalLM.from_pretrained(saved_tiny_model, quantization_config=RiverQuantConfig(start_layer=3, backend="auto"))
+    model = AutoModelForCausalLM.from_pretrained(saved_tiny_model,
+                                                 quantization_config=RiverQuantConfig(start_layer=3, backend="auto"))
     assert river_hf.is_river(model)
     layers = river_hf.river_layers(model)
     assert [layer.twin is not None for layer in layers] == [False] * 3 + [True] * 3
@@ -97,7 +98,8 @@ def test_pipeline_runs_the_captured_river(saved_tiny_model):
     eager = generator(PROMPT, generation_config=RiverConfig(**settings), return_tensors=True)[0]["generated_token_ids"]
     assert list(captured) == list(eager)
     # the same call outside the pipeline makes a RiverStaticCache with every position of every layer
-    out = model.generate(**tokenizer(PROMPT, return_tensors="pt"), generation_config=static, return_dict_in_generate=True)
+    out = model.generate(**tokenizer(PROMPT, return_tensors="pt"), generation_config=static,
+                         return_dict_in_generate=True)
     assert isinstance(out.cache, RiverStaticCache)
     out.cache.check_kv_integrity()
     torch._dynamo.reset()

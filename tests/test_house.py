@@ -1,6 +1,6 @@
-"""The layout's own rules (CONTRIBUTING.md): no import circle between river_hf's modules, no file over ~400 lines,
-argparse only in the command-line modules, no binary file in git, subpackages importing downwards, tests using public
-seams."""
+"""The layout's own rules (CONTRIBUTING.md): no import circle between river_hf's modules, no file over ~400 lines, no
+Python line over 120 characters, argparse only in the command-line modules, no binary file in git, subpackages
+importing downwards, tests using public seams."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "river_hf"
 MAX_LINES = 400
+MAX_LINE_LENGTH = 120
+PYTHON_FOLDERS = ("river_hf", "tests", "benchmarks/scripts")
 
 
 def module_name(path: Path) -> str:
@@ -190,6 +192,27 @@ def private_names_reached(source: str, known: set[str]) -> list[str]:
               and is_private(str(node.args[1].value)) and names_module(node.args[0])):
             reached.append(f"{ast.unparse(node.args[0])}.{node.args[1].value}")
     return reached
+
+
+def lines_over(paths, limit: int, root: Path = PACKAGE.parent) -> dict[str, list[int]]:
+    """{file relative to `root`: its line numbers longer than `limit` characters}, for the files that have any."""
+    found = {}
+    for path in paths:
+        numbers = [n for n, line in enumerate(path.read_text().splitlines(), 1) if len(line) > limit]
+        if numbers:
+            found[str(path.relative_to(root))] = numbers
+    return found
+
+
+def test_no_python_line_over_the_length_limit():
+    paths = [path for folder in PYTHON_FOLDERS for path in PACKAGE.parent.joinpath(folder).rglob("*.py")]
+    assert paths and not lines_over(paths, MAX_LINE_LENGTH), lines_over(paths, MAX_LINE_LENGTH)
+
+
+def test_the_line_length_check_sees_a_long_line(tmp_path):
+    (tmp_path / "long.py").write_text("x = 1\ny = '" + "z" * MAX_LINE_LENGTH + "'\n")
+    (tmp_path / "short.py").write_text("x = 1\n" * 3)
+    assert lines_over(sorted(tmp_path.glob("*.py")), MAX_LINE_LENGTH, root=tmp_path) == {"long.py": [2]}
 
 
 def is_private(name: str) -> bool:

@@ -53,7 +53,9 @@ def test_fastest_records_what_it_measured_and_keeps_the_preferred_kernel_on_clos
 
 
 def test_a_river_built_with_fastest_runs_the_recorded_kernels():
-    model = river_hf.build_river(tiny_model(), RiverQuantConfig(nbits=4, start_layer=1, group_size=32, backend="fastest"), progress=False)
+    model = river_hf.build_river(tiny_model(),
+                                 RiverQuantConfig(nbits=4, start_layer=1, group_size=32, backend="fastest"),
+                                 progress=False)
     for layer in river_hf.river_layers(model)[1:]:
         for linear in twin_linears(layer.twin):
             choice = kernel_choice.lookup(linear.out_features, linear.in_features, 4, linear.backend, "cpu")
@@ -61,7 +63,9 @@ def test_a_river_built_with_fastest_runs_the_recorded_kernels():
 
 
 def test_prefill_exit_auto_follows_the_measured_prompt_timing(prompt_ids):
-    model = river_hf.build_river(tiny_model(), RiverQuantConfig(nbits=4, start_layer=1, group_size=32, backend="fastest"), progress=False)
+    model = river_hf.build_river(tiny_model(),
+                                 RiverQuantConfig(nbits=4, start_layer=1, group_size=32, backend="fastest"),
+                                 progress=False)
     layers = river_hf.river_layers(model)
     expected = "sequence" if twins_prefill_faster(layers) else "none"
     cache = new_river_cache(model, RiverConfig(tau=-1, exit_signal="cosine").river_settings())
@@ -76,7 +80,8 @@ def test_an_explicit_backend_keeps_the_papers_sequence_level_prompt_exit():
     model = river_hf.build_river(tiny_model(), RiverQuantConfig(start_layer=1, group_size=32, backend="auto"),
                                  progress=False)
     assert twins_prefill_faster(river_hf.river_layers(model))
-    assert new_river_cache(model, RiverConfig(tau=-1, exit_signal="cosine").river_settings()).router.settings.prefill_exit == "sequence"
+    assert (new_river_cache(model, RiverConfig(tau=-1, exit_signal="cosine").river_settings())
+            .router.settings.prefill_exit == "sequence")
 
 
 def test_the_avx2_dispatch_builds_and_runs_a_correct_river():

@@ -189,8 +189,8 @@ def test_confidence_signal_reads_the_logits_of_the_last_kept_token(prompt):
 # ---- the fallback rule ------------------------------------------------------------------------------------------
 def timed_lossless(model, ids, clock):
     """k=4, tau=-1, 24 tokens, with the fallback, timed by `clock` (generate's `draft_clock`)."""
-    config = RiverConfig(tau=-1.0, exit_signal="cosine", lossless=True, num_draft_tokens=4, max_new_tokens=24, do_sample=False,
-                         return_dict_in_generate=True)
+    config = RiverConfig(tau=-1.0, exit_signal="cosine", lossless=True, num_draft_tokens=4, max_new_tokens=24,
+                         do_sample=False, return_dict_in_generate=True)
     return model.generate(ids, generation_config=config, draft_clock=clock)
 
 

@@ -1,6 +1,6 @@
-"""The lossless fallback remembers its verdicts across calls (river_hf.lossless.draft_control.FallbackMemory): after a call
-that fell back, the next 1, 2, 4, ... calls with the same settings decode on the plain backbone from their first step
-(no probing), then one probes again; output stays the backbone's throughout."""
+"""The lossless fallback remembers its verdicts across calls (river_hf.lossless.draft_control.FallbackMemory): after a
+call that fell back, the next 1, 2, 4, ... calls with the same settings decode on the plain backbone from their first
+step (no probing), then one probes again; output stays the backbone's throughout."""
 
 from __future__ import annotations
 

@@ -140,7 +140,8 @@ def test_bad_settings_name_the_field():
         RiverQuantConfig(backend="matmulnbits_cpu", quantize_lm_head=False)
     with pytest.raises(ValueError, match="`backend`='matmulnbits_cpu' cannot run this layer: per-row codes"):
         RiverQuantLinear.from_linear(nn.Linear(IN, OUT), 8, None, backend="matmulnbits_cpu", activations="int8")
-    # Per-row codes (an 8-bit head, a schedule's 8-bit layers, no group size) are refused by the config, naming the field
+    # Per-row codes (an 8-bit head, a schedule's 8-bit layers, no group size) are refused by the config, naming the
+    # field
     ort = dict(backend="matmulnbits_cpu", activations="int8")
     with pytest.raises(ValueError, match="`lm_head_nbits`=8 quantizes the LM head with one scale per row"):
         RiverQuantConfig(nbits=4, **ort)

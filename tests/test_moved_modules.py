@@ -15,7 +15,8 @@ for old, new in river_hf.MOVED_MODULES.items():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module = importlib.import_module("river_hf." + old)
-    moved = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and "moved to" in str(w.message)]
+    moved = [str(w.message) for w in caught
+             if issubclass(w.category, DeprecationWarning) and "moved to" in str(w.message)]
     results[old] = {"same": module is importlib.import_module("river_hf." + new), "warning": moved[:1]}
 print(json.dumps(results))
 """

@@ -1,6 +1,6 @@
-"""Backbone offloading (river_hf.offload.backbone): an offloaded river computes exactly what the resident one does, pages in
-only the layers a step runs, leaves the twins' shared tensors alone, undoes exactly, and refuses bad input without
-leaving anything half-offloaded."""
+"""Backbone offloading (river_hf.offload.backbone): an offloaded river computes exactly what the resident one does,
+pages in only the layers a step runs, leaves the twins' shared tensors alone, undoes exactly, and refuses bad input
+without leaving anything half-offloaded."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Rivers on LoRA-adapted models (river_hf.core.adapters): a `peft.PeftModel`, and a transformers model carrying LoRA layers
-in place (what transformers' `add_adapter` / `load_adapter` build, through `peft.inject_adapter_in_model`).
+"""Rivers on LoRA-adapted models (river_hf.core.adapters): a `peft.PeftModel`, and a transformers model carrying LoRA
+layers in place (what transformers' `add_adapter` / `load_adapter` build, through `peft.inject_adapter_in_model`).
 
 The twin of a LoRA-adapted linear is its quantized base weight with the LoRA in full precision on top; other variants
 (DoRA) and other tuners (IA3) become one quantized linear of their merged weight. The references below are built
@@ -340,10 +340,10 @@ def _transformers_accepts_this_peft() -> bool:
 
 
 def test_transformers_integration_methods(prompt_ids, monkeypatch, tmp_path):
-    """transformers' own add_adapter / load_adapter / set_adapter / disable_adapters / enable_adapters on a river model. transformers
-    5.24 asks for peft >= 0.22, which the package registry here does not have (0.21.2 is its newest); these methods
-    run on 0.21.2 once that version gate is lowered, so where the installed peft is older, the test lowers it (the
-    methods, not the gate, are what a river must work with)."""
+    """transformers' own add_adapter / load_adapter / set_adapter / disable_adapters / enable_adapters on a river model.
+    transformers 5.24 asks for peft >= 0.22, which the package registry here does not have (0.21.2 is its newest); these
+    methods run on 0.21.2 once that version gate is lowered, so where the installed peft is older, the test lowers it
+    (the methods, not the gate, are what a river must work with)."""
     if not _transformers_accepts_this_peft():
         import peft
         import transformers.integrations.peft as transformers_peft

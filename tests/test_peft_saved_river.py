@@ -1,7 +1,7 @@
-"""Saved rivers of LoRA-adapted models (river_hf.saving.twin_files with river_hf.core.adapters): a LoRA-adapted linear's twin
-stores the codes of its base weight W alone, under the linear's own name, so the twins file of the base model's river
-and of any LoRA river on it are the same file; the LoRA on top comes from the live adapter when the river is built.
-Merged twins (DoRA, or `lora_twins="merged"`) store the merged weight, which fits only the same adapter."""
+"""Saved rivers of LoRA-adapted models (river_hf.saving.twin_files with river_hf.core.adapters): a LoRA-adapted linear's
+twin stores the codes of its base weight W alone, under the linear's own name, so the twins file of the base model's
+river and of any LoRA river on it are the same file; the LoRA on top comes from the live adapter when the river is
+built. Merged twins (DoRA, or `lora_twins="merged"`) store the merged weight, which fits only the same adapter."""
 
 from __future__ import annotations
 

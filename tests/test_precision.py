@@ -93,7 +93,8 @@ def test_single_nbits_8_keeps_its_one_warning_about_group_size():
     """Unchanged for an int: nbits=8 with a group size still says the int8 kernel ignores it (once per message)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = river_hf.build_river(tiny_model(), RiverQuantConfig(nbits=8, group_size=64, start_layer=4, backend="auto"),
+        model = river_hf.build_river(tiny_model(),
+                                     RiverQuantConfig(nbits=8, group_size=64, start_layer=4, backend="auto"),
                                      progress=False)
     assert {str(w.message) for w in caught if "one group per output row" in str(w.message)} != set()
     assert twin_kernels(model) == {4: {(8, None, "int8pack_cpu")}, 5: {(8, None, "int8pack_cpu")}}

@@ -66,10 +66,13 @@ def test_tau_extremes():
 
 
 def test_prefill_uses_the_fixed_or_no_exit():
-    assert run_step(ExitRouter(RiverSettings(exit_signal="cosine", tau=-1, prefill_exit="none"), 1, 4), [[0.0]] * 4, 5, first=True) == 4
-    assert run_step(ExitRouter(RiverSettings(exit_signal="cosine", tau=-1, prefill_exit=3), 1, 4), [[0.0]] * 4, 5, first=True) == 3
+    assert run_step(ExitRouter(RiverSettings(exit_signal="cosine", tau=-1, prefill_exit="none"), 1, 4), [[0.0]] * 4, 5,
+                    first=True) == 4
+    assert run_step(ExitRouter(RiverSettings(exit_signal="cosine", tau=-1, prefill_exit=3), 1, 4), [[0.0]] * 4, 5,
+                    first=True) == 3
     # a fixed prefill exit below start_layer is lifted to start_layer
-    assert run_step(ExitRouter(RiverSettings(exit_signal="cosine", tau=2, prefill_exit=1), 2, 4), [[0.0]] * 4, 5, first=True) == 2
+    assert run_step(ExitRouter(RiverSettings(exit_signal="cosine", tau=2, prefill_exit=1), 2, 4), [[0.0]] * 4, 5,
+                    first=True) == 2
     # and a decode step after it is token-level again
     router = ExitRouter(RiverSettings(exit_signal="cosine", tau=0.5, prefill_exit="none"), 1, 4)
     assert run_step(router, [[0.9]] * 4, 5, first=True) == 4

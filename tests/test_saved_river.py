@@ -1,6 +1,7 @@
-"""Saved rivers (river_hf.saving.twin_files): `save_pretrained(..., save_twins=True)` stores the twins' HQQ codes, and loading
-the folder packs them again without HQQ; the loaded river generates exactly what the saved one did. Twins that no
-longer fit (other weights, other config) are rebuilt with a warning; a corrupted file is refused, nothing half done."""
+"""Saved rivers (river_hf.saving.twin_files): `save_pretrained(..., save_twins=True)` stores the twins' HQQ codes, and
+loading the folder packs them again without HQQ; the loaded river generates exactly what the saved one did. Twins that
+no longer fit (other weights, other config) are rebuilt with a warning; a corrupted file is refused, nothing half
+done."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Twin linears sharing an input run as one `matmulnbits_cpu` call (river_hf.kernels.shared_inputs): which are grouped, that
-every member computes exactly what it computed alone in any call order or input, one run per group and step, threads,
-copies, when `backend="fastest"` fuses, and the river invariants with groups."""
+"""Twin linears sharing an input run as one `matmulnbits_cpu` call (river_hf.kernels.shared_inputs): which are grouped,
+that every member computes exactly what it computed alone in any call order or input, one run per group and step,
+threads, copies, when `backend="fastest"` fuses, and the river invariants with groups."""
 
 from __future__ import annotations
 

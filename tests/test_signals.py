@@ -84,7 +84,8 @@ def test_cosine_first_in_the_router_never_exits_after_a_failed_check():
     at_four = ExitRouter(RiverSettings(tau=0.9, exit_signal="cosine_first", signal_layer=4), 2, 6)
     assert run_step(at_four, [[0.99]] * 6) == 4
     assert run_step(at_four, [[0.99], [0.99], [0.99], [0.5], [0.99], [0.99]]) == 6
-    cosine = ExitRouter(RiverSettings(exit_signal="cosine", tau=0.9), 2, 6)  # the paper's, for contrast: exits at the next passing layer
+    # the paper's, for contrast: exits at the next passing layer
+    cosine = ExitRouter(RiverSettings(exit_signal="cosine", tau=0.9), 2, 6)
     assert run_step(cosine, [[0.1], [0.5], [0.99], [0.99], [0.99], [0.99]]) == 3
 
 

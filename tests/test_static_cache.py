@@ -1,4 +1,5 @@
-"""The river on HF's static cache (`cache_implementation="static"`) and its captured decode steps (river_hf.core.captured_decode).
+"""The river on HF's static cache (`cache_implementation="static"`) and its captured decode steps
+(river_hf.core.captured_decode).
 
 Invariants, on tiny random models: the static river gives the same tokens and exit record as the dynamic one, tau > 1
 is the backbone, every layer's static slots hold every position; compiled, a planning signal's decode steps run as one
@@ -178,7 +179,8 @@ def test_captured_random_steps_one_graph_per_depth(prompt_ids, fresh_dynamo):
     model = river_of(tiny_model(), start_layer=3)
     counter = GraphCounter()
     kwargs = dict(exit_signal="random", exit_rate=0.7, seed=3, max_new_tokens=20)
-    out = generate(model, prompt_ids, cache_implementation="static", compile_config=cpu_compile(counter.backend), **kwargs)
+    out = generate(model, prompt_ids, cache_implementation="static", compile_config=cpu_compile(counter.backend),
+                   **kwargs)
     same_run(out, generate(model, prompt_ids, **kwargs))
     assert counter.frame_count == decoded_depths(out.cache).unique().numel() >= 2
     # the cache notes the steps that compiled: the first at each depth, by position (what the CLI leaves out)
@@ -215,7 +217,8 @@ def test_a_signal_deciding_inside_the_step_runs_eagerly(prompt_ids, fresh_dynamo
     model = river_of(tiny_model())
     tau = mixed_tau(model, prompt_ids)
     counter = GraphCounter()
-    out = generate(model, prompt_ids, tau=tau, cache_implementation="static", compile_config=cpu_compile(counter.backend))
+    out = generate(model, prompt_ids, tau=tau, cache_implementation="static",
+                   compile_config=cpu_compile(counter.backend))
     same_run(out, generate(model, prompt_ids, tau=tau))
     assert counter.frame_count == 0
 

@@ -64,7 +64,8 @@ def test_other_twin_settings_are_kept_apart(model_dir):
     folders = {twin_cache.twins_folder(model, RiverQuantConfig(**{**CONFIG, **change}))
                for change in ({}, {"nbits": 8}, {"group_size": 64}, {"start_layer": 2}, {"quantize_lm_head": True})}
     assert len(folders) == 5
-    assert twin_cache.twins_folder(model, RiverQuantConfig(**{**CONFIG, "backend": "dense"})) in folders  # chosen at load
+    # chosen at load
+    assert twin_cache.twins_folder(model, RiverQuantConfig(**{**CONFIG, "backend": "dense"})) in folders
 
 
 def test_changed_weights_under_the_same_name_are_rebuilt_and_kept_again(model_dir, tmp_path):

@@ -1,4 +1,5 @@
-"""The river's decode steps captured (static cache + torch.compile, river_hf.core.captured_decode) against the compiled backbone.
+"""The river's decode steps captured (static cache + torch.compile, river_hf.core.captured_decode) against the compiled
+backbone.
 
     python benchmarks/scripts/captured_decode.py                          # packaged SmolLM2-135M, GSM8K + chat prompts
     python benchmarks/scripts/captured_decode.py --rounds 3 --tau 0.3 --max-new-tokens 64
@@ -167,7 +168,8 @@ def print_step_splits(splits: dict) -> None:
     print("where a decoded token's time goes, ms (torch.profiler, one prompt):")
     print(f"{'system':28s} {'matmuls':>8s} {'attention':>9s} {'rest':>8s} {'total':>8s}")
     for name, split in splits.items():
-        print(f"{name:28s} {split['matmuls']:8.2f} {split['attention']:9.2f} {split['rest']:8.2f} {split['total']:8.2f}")
+        print(f"{name:28s} {split['matmuls']:8.2f} {split['attention']:9.2f} {split['rest']:8.2f} "
+              f"{split['total']:8.2f}")
 
 
 def start_layer(args) -> dict:

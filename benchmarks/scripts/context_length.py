@@ -112,7 +112,8 @@ def invariants(model, length: int, tokenizer) -> dict:
             "tau_above_1_is_backbone": torch.equal(run(RiverConfig(tau=1.5, **fixed)).sequences, backbone),
             "kv_integrity_errors": exits.kv_integrity_errors(),
             "decoded_exit_depths": decoded[0].tolist(), "prompt_exit_depth": int(exits.exit_depth[0, 0]),
-            "lossless_is_backbone": torch.equal(run(RiverConfig(tau=-1, lossless=True, draft_fallback=False, **fixed)).sequences, backbone)}
+            "lossless_is_backbone": torch.equal(
+                run(RiverConfig(tau=-1, lossless=True, draft_fallback=False, **fixed)).sequences, backbone)}
 
 
 def speed_and_match(model, tokenizer, lengths: list[int], new_tokens: int, rounds: int, tau: float) -> dict:

@@ -94,7 +94,8 @@ def main(argv=None) -> None:
         head.exact_top_k = k
         for tau in (-1.0, 0.3):
             fid = measure_fidelity(model, references, RiverSettings(tau=tau, exit_signal="confidence"))
-            print(f"{args.prompts} prompts, nbits {args.nbits}, K={k:2d}, tau {tau:4}: teacher-forced match {fid.match:.4f} "
+            print(f"{args.prompts} prompts, nbits {args.nbits}, K={k:2d}, tau {tau:4}: "
+                  f"teacher-forced match {fid.match:.4f} "
                   f"({round(fid.match * fid.positions)}/{fid.positions}), KL {fid.kl:.4f}", flush=True)
 
 

@@ -1,6 +1,7 @@
 """Is decoding faster under `torch.inference_mode` than under transformers' `no_grad`, and does the river gain more?
 
-    python benchmarks/scripts/inference_mode.py [--prompts 3] [--rounds 2] [--max-new-tokens 128] [--no-lossless] [--output PATH]
+    python benchmarks/scripts/inference_mode.py [--prompts 3] [--rounds 2] [--max-new-tokens 128] [--no-lossless]
+        [--output PATH]
 
 A river's `generate` runs under `torch.inference_mode` (`river_hf.core.generation.GENERATE_IN_INFERENCE_MODE`). This
 switches that flag off and on between calls, on one river model (the packaged SmolLM2 with the default
@@ -70,7 +71,8 @@ def report(rates: dict) -> None:
               for name, by_mode in rates.items()}
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
-    print("| system | no_grad tok/s | inference_mode tok/s | gain | vs backbone, no_grad | vs backbone, inference_mode |")
+    print("| system | no_grad tok/s | inference_mode tok/s | gain | "
+          "vs backbone, no_grad | vs backbone, inference_mode |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, by_mode in median.items():
         ratios = [by_mode[mode] / median["backbone"][mode] for mode in MODES]

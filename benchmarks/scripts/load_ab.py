@@ -1,7 +1,8 @@
 """Saved-river load time of two river_hf checkouts, compared in one run: fresh processes, alternating, medians.
 
     git worktree add /tmp/old <commit>          # the code to compare against
-    python benchmarks/scripts/load_time.py --folder DIR    # DIR/plain and DIR/river-fastest (twins in this checkout's format)
+    python benchmarks/scripts/load_time.py --folder DIR    # DIR/plain and DIR/river-fastest (twins in this checkout's
+                                                           # format)
     python benchmarks/scripts/load_ab.py DIR/plain DIR/river-fastest /tmp/old OLD_FOLDER [--loads 9]
 
 OLD_FOLDER: the same river saved in the format the old checkout reads (a copy of DIR/river-fastest re-saved by the

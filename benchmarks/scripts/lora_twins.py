@@ -4,7 +4,8 @@ with the LoRA's A, B kept in full precision on top (two extra rank-r matmuls per
 for plain LoRA now: the twins `river_hf.core.twins.make_twin` builds)? And (c), for scale: a quantized W that drops the
 adapter.
 
-    python benchmarks/scripts/lora_twins.py [--rho 0.05] [--seed 0] [--nbits 4] [--group-size 64] [--prompts 8] [--tokens 48]
+    python benchmarks/scripts/lora_twins.py [--rho 0.05] [--seed 0] [--nbits 4] [--group-size 64] [--prompts 8]
+        [--tokens 48]
 
 On the packaged SmolLM2-135M (bf16), a LoRA (r=16, alpha=32) on every linear of every layer: B is drawn at random and
 scaled per layer so that ||s·B·A|| = rho·||W|| (a trained-looking delta); `--rho 0` keeps peft's own random
@@ -187,7 +188,8 @@ def main():
     if args.time:
         print(f"cpu capability {torch.backends.cpu.get_cpu_capability()}; threads {torch.get_num_threads()}; "
               f"SmolLM2-135M bf16; LoRA r=16 on {TARGETS}; twins {args.nbits}-bit group {args.group_size} from "
-              f"layer {START}, backend auto; {args.prompts} GSM8K prompts x {args.tokens} tokens x {args.rounds} rounds")
+              f"layer {START}, backend auto; {args.prompts} GSM8K prompts x {args.tokens} tokens x "
+              f"{args.rounds} rounds")
         return time_twins(args, model, tokenizer, rows)
     # through the chat template, as `river-hf bench` does: a bare question makes the Instruct model end at once (one
     # compared position per prompt)
@@ -213,7 +215,8 @@ def main():
             fidelity = measure_fidelity(model, references, None)
         print(f"| {label} | {error:.4f} | {fidelity.match:.1%} | {fidelity.kl:.4f} | {fidelity.positions} |")
     river_hf.build_river(model, river_config(args), progress=False)
-    fidelity = measure_fidelity(model, references, RiverSettings(tau=-1.0, exit_signal="cosine", prefill_exit="sequence"))
+    fidelity = measure_fidelity(model, references,
+                                RiverSettings(tau=-1.0, exit_signal="cosine", prefill_exit="sequence"))
     print(f"| build_river on the PeftModel (b), tau=-1, 8-bit LM head | - | {fidelity.match:.1%} | "
           f"{fidelity.kl:.4f} | {fidelity.positions} |")
 

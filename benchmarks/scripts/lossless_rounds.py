@@ -6,8 +6,8 @@ Lossless generate with the fallback off (`draft_fallback=False`, so every round 
 the chat template, the packaged SmolLM2 by default. Per round: (draft seconds + verification seconds) / tokens the
 round appended, divided by t_plain (the mean of the lossless mode's own 3 plain probe steps, timed on the same
 prompt just before). Printed per k: the mean of that ratio, its relative spread (sd / mean) across the rounds of all
-prompts, and how often the first 2 and 3 rounds of a call, pooled as the rule pools them, looked dearer than a plain step
-although the whole call was cheaper: the false alarms a margin-free rule would act on. Time it on a quiet machine.
+prompts, and how often the first 2 and 3 rounds of a call, pooled as the rule pools them, looked dearer than a plain
+step although the whole call was cheaper: the false alarms a margin-free rule would act on. Time it on a quiet machine.
 """
 
 from __future__ import annotations

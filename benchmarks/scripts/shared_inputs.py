@@ -1,7 +1,8 @@
-"""Does one `matmulnbits_cpu` call per group of linears sharing an input (q/k/v, gate/up; river_hf.kernels.shared_inputs)
-make decoding faster than one call per linear? Measured in one process, interleaved, on a random-weight model.
+"""Does one `matmulnbits_cpu` call per group of linears sharing an input (q/k/v, gate/up;
+river_hf.kernels.shared_inputs) make decoding faster than one call per linear? Measured in one process, interleaved,
+on a random-weight model.
 
-    python benchmarks/scripts/shared_inputs.py                                  # Llama-3.2-1B's shape, 4 rounds of 32 tokens
+    python benchmarks/scripts/shared_inputs.py                      # Llama-3.2-1B's shape, 4 rounds of 32 tokens
     python benchmarks/scripts/shared_inputs.py --random-model smollm2-135m --backend matmulnbits_cpu
     python benchmarks/scripts/shared_inputs.py --group-everything   # also q/k/v grouped where "fastest" left them apart
 

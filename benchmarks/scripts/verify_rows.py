@@ -1,4 +1,5 @@
-"""Why lossless mode verifies row by row: one backbone pass over k + 1 tokens against k + 1 one-token steps, bit for bit.
+"""Why lossless mode verifies row by row: one backbone pass over k + 1 tokens against k + 1 one-token steps,
+bit for bit.
 
     python benchmarks/scripts/verify_rows.py [--model PATH] [--dtype bfloat16] [--rows 5] [--repeats 15]
     python benchmarks/scripts/verify_rows.py --gsm8k 3 --offsets 0,6,12,18,24,30,36,42,48,54,60,66
@@ -83,8 +84,8 @@ def run(model, prompt_ids, tokens, context) -> tuple[torch.Tensor, DynamicCache,
                                   position_ids=torch.tensor([[start + r]])).logits[0] for r in range(rows)])
     else:
         with context():
-            logits = model(input_ids=tokens, past_key_values=cache, position_ids=torch.arange(start, start + rows)[None],
-                           logits_to_keep=rows).logits[0]
+            logits = model(input_ids=tokens, past_key_values=cache,
+                           position_ids=torch.arange(start, start + rows)[None], logits_to_keep=rows).logits[0]
     return logits, cache, time.perf_counter() - began
 
 
@@ -121,7 +122,8 @@ def main(argv=None) -> dict:
     # one (its reference then differed from a second run of itself in 200801 of 245760 logits), so compare warm passes
     run(model, prompt_ids, tokens, None)
     reference = run(model, prompt_ids, tokens, None)
-    results = {name: differing(reference, run(model, prompt_ids, tokens, context)) for name, context in contexts.items()}
+    results = {name: differing(reference, run(model, prompt_ids, tokens, context))
+               for name, context in contexts.items()}
     seconds = {name: [] for name in contexts}
     for _ in range(args.repeats):
         for name, context in contexts.items():

@@ -107,7 +107,8 @@ def draft_summary(drafts: list[dict]) -> dict:
     tokens = sum(d["new_tokens"] for d in drafts)
     drafted = sum(d["drafted"] for d in drafts)
     remembered = sum(bool(d.get("fallback_remembered")) for d in drafts)  # earlier calls' verdict: no probing
-    fell_back = [d["fell_back_at"] for d in drafts if d["fell_back_at"] is not None and not d.get("fallback_remembered")]
+    fell_back = [d["fell_back_at"] for d in drafts
+                 if d["fell_back_at"] is not None and not d.get("fallback_remembered")]
     per_token = {f"{part}_ms_per_token": 1000 * sum(d[f"{part}_seconds"] for d in drafts) / tokens
                  for part in ("draft", "verify", "rejected_draft", "plain")}
     return {"acceptance_rate": sum(d["accepted"] for d in drafts) / drafted if drafted else None,
@@ -126,7 +127,8 @@ def markdown_table(record: dict) -> str:
         if "acceptance_rate" in s:
             acceptance = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.1%}"
             remembered = f" (+{s['runs_fallback_remembered']} remembered)" if s.get("runs_fallback_remembered") else ""
-            drafts = (f"{acceptance} | {s['tokens_per_backbone_pass']:.2f} | {s['runs_fell_back']}/{s['runs']}{remembered} | "
+            drafts = (f"{acceptance} | {s['tokens_per_backbone_pass']:.2f} | "
+                      f"{s['runs_fell_back']}/{s['runs']}{remembered} | "
                       f"{s['draft_ms_per_token']:.1f} / {s['verify_ms_per_token']:.1f} / "
                       f"{s['rejected_draft_ms_per_token']:.1f} / {s['plain_ms_per_token']:.1f}")
         else:

@@ -38,7 +38,8 @@ def markdown_table(record: dict) -> str:
         match = "n/a" if fid["match"] is None else f"{fid['match']:.1%}"
         kl = "n/a" if fid["kl"] is None else f"{fid['kl']:.4f}"
         lines.append(f"| {system_label(system)} | {sm['decode_tokens_per_s']:.1f} | {sm['speed_ratio']:.2f}x | "
-                     f"{_ratio(sm.get('ratio_vs_compiled_backbone'))} | {_ratio(sm.get('byte_ratio'))} | {_share(sm.get('share_of_byte_limit'))} | "
+                     f"{_ratio(sm.get('ratio_vs_compiled_backbone'))} | {_ratio(sm.get('byte_ratio'))} | "
+                     f"{_share(sm.get('share_of_byte_limit'))} | "
                      f"{_ratio(sm['ratio_vs_static_full_quant'])} | {sm['prefill_ms']:.0f} | {depth} | {match} | "
                      f"{kl} |")
     limits = byte_limit_lines(record["systems"])

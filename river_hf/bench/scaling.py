@@ -129,5 +129,6 @@ def bench_random_model(name: str, settings: BenchSettings, quant: RiverQuantConf
     record["random_model"] = {"name": name, "shape": SHAPES[name], "parameters": parameters,
                               "prompt_length": prompt_length, "seed": seed, "peak_rss_after_bytes": stages,
                               "hqq_optimizer": False,  # plain_rounding: same kernels and bytes, faster builds
-                              "twin_builds": {label: config.to_dict() for label, config in twin_configs(quant, twin_bits).items()}}
+                              "twin_builds": {label: config.to_dict()
+                                              for label, config in twin_configs(quant, twin_bits).items()}}
     return record

@@ -1,6 +1,7 @@
 """`river-hf` on the command line: assembles the subcommands of `river_hf.cli.commands` (one module each).
 
-    river-hf generate "What is 2+3?"              # the packaged SmolLM2-135M-Instruct, river at its defaults (tau "auto")
+    river-hf generate "What is 2+3?"              # the packaged SmolLM2-135M-Instruct, river at its defaults
+                                                  # (tau "auto")
     river-hf generate "What is 2+3?" --no-river   # the plain backbone, for comparison
     river-hf bench | eval gsm8k | calibrate --target-match 0.98 | plot RECORD.json ... --output PNG
 """

@@ -204,8 +204,10 @@ _SHOWN = ("active adapters", "merged adapters", "adapters disabled", "scaling")
 
 def describe_change(built: dict[str, tuple], now: dict[str, tuple]) -> str | None:
     """What differs between two fingerprints of one decoder layer, in words (a few modules); None when nothing."""
-    changes = [f"`{name}`: adapter layer gone (merge_and_unload / unload?)" for name in sorted(built.keys() - now.keys())]
-    changes += [f"`{name}`: new adapter layer (load_adapter / add_adapter?)" for name in sorted(now.keys() - built.keys())]
+    changes = [f"`{name}`: adapter layer gone (merge_and_unload / unload?)"
+               for name in sorted(built.keys() - now.keys())]
+    changes += [f"`{name}`: new adapter layer (load_adapter / add_adapter?)"
+                for name in sorted(now.keys() - built.keys())]
     for name in sorted(built.keys() & now.keys()):
         field, before, after = next(((field, *pair) for field, *pair in zip(_FIELDS, built[name], now[name])
                                      if pair[0] != pair[1]), (None, None, None))

@@ -9,7 +9,8 @@ its default measures, once per river, a decode step that exits as early as allow
 tau="auto" is the signal's `DEFAULT_TAUS` entry; where it is not, tau="auto" exits nothing, `generate` runs the plain
 backbone (never slower than it, by construction) and a warning says so once. An explicit tau is always obeyed.
 In lossless mode tau="auto" is LOSSLESS_AUTO_TAU (-1: every draft leaves at the start layer), unmeasured: the
-backbone verifies every draft, and the lossless fallback (river_hf.lossless.draft_control) judges whether drafting pays here.
+backbone verifies every draft, and the lossless fallback (river_hf.lossless.draft_control)
+judges whether drafting pays here.
 """
 
 from __future__ import annotations

@@ -88,7 +88,8 @@ def check_static_settings(settings, implementation: str = "static") -> None:
     """The river settings a static river cache cannot run (a ValueError naming the setting); needs no model."""
     fix = "or drop `cache_implementation` (the default dynamic cache supports it)"
     if settings.lossless:
-        raise ValueError(f"`cache_implementation`={implementation!r} with `lossless`=True: lossless mode crops the cache "
+        raise ValueError(f"`cache_implementation`={implementation!r} with `lossless`=True: "
+                         f"lossless mode crops the cache "
                          f"after each verification, which a static river cache does not support; set `lossless=False` "
                          f"{fix}.")
     if settings.kv_strategy != "river":

@@ -38,7 +38,8 @@ def active_router():
 
 
 def begin_pass(module, args, kwargs) -> None:
-    if torch.compiler.is_compiling():  # a captured step: river_hf.core.captured_decode does this pass's bookkeeping outside the graph
+    # a captured step: river_hf.core.captured_decode does this pass's bookkeeping outside the graph
+    if torch.compiler.is_compiling():
         return
     _ACTIVE_CACHE.set(river_cache_of(kwargs))
 

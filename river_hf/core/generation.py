@@ -92,7 +92,8 @@ def without_river_fields(generation_config):
     values = {key: value for key, value in generation_config.to_dict().items()
               if key not in RIVER_FIELDS and key != "compile_config"}
     plain = GenerationConfig.from_dict(values)
-    # the object itself: its dict form drops `_compile_all_devices` (compiling on CPU) and cannot hold a callable backend
+    # the object itself: its dict form drops `_compile_all_devices` (compiling on CPU) and cannot hold a callable
+    # backend
     plain.compile_config = generation_config.compile_config
     return plain
 
@@ -100,8 +101,8 @@ def without_river_fields(generation_config):
 # A river's `generate` runs under `torch.inference_mode` instead of transformers' `no_grad`: at batch 1 a decode step
 # is hundreds of ops of a few µs each, and autograd's per-op bookkeeping (version counters, view tracking) is a share
 # of every one. Plain and river steps alike (the backbone a bench compares against runs the same way); measured in
-# benchmarks/README.md#inference-mode-every-generate-runs-under-torchinference_mode (`benchmarks/scripts/inference_mode.py`
-# switches this off to compare).
+# benchmarks/README.md#inference-mode-every-generate-runs-under-torchinference_mode
+# (`benchmarks/scripts/inference_mode.py` switches this off to compare).
 GENERATE_IN_INFERENCE_MODE = True
 
 
@@ -175,8 +176,8 @@ class RiverGenerationMixin:
 
     def save_pretrained(self, save_directory, *args, save_twins: bool | None = None, **kwargs):
         """Save the backbone's own checkpoint (original layers and LM head, exactly), and with `save_twins` the twins
-        too (river_twins.safetensors, river_hf.saving.twin_files), so that loading the folder reads them instead of running
-        HQQ. `save_twins=True` also writes the river's RiverQuantConfig into config.json, so a plain
+        too (river_twins.safetensors, river_hf.saving.twin_files), so that loading the folder reads them instead of
+        running HQQ. `save_twins=True` also writes the river's RiverQuantConfig into config.json, so a plain
         `from_pretrained(folder)` loads the river. Default (None): store them when config.json carries a
         RiverQuantConfig anyway (a model loaded with `quantization_config=RiverQuantConfig(...)`), whose folder loads
         as a river; a river made with `build_river` saves the plain backbone, as before. A save without twins removes

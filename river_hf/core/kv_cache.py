@@ -49,8 +49,9 @@ class ExitRecord:
         self._recorded = 0  # their total length: read by every layer of every step, so kept, not summed
         self.prompt_length = 0  # positions written by the first (prefill) step
         self.seconds: dict[str, float] = {"backbone": 0.0, "skipped": 0.0}
-        # A captured decode step's exit depth, fixed before the step starts (river_hf.core.captured_decode); None in eager steps.
-        # The RiverLayers read it inside the compiled graph, where dynamo specialises on it: one graph per depth.
+        # A captured decode step's exit depth, fixed before the step starts (river_hf.core.captured_decode); None in
+        # eager steps. The RiverLayers read it inside the compiled graph, where dynamo specialises on it: one graph per
+        # depth.
         self.planned_depth: int | None = None
         # position -> seconds of each captured decode step that compiled its graph first (its depth's first step):
         # a step's speed without compilation leaves them out (the CLI's summary line)

@@ -39,8 +39,8 @@ class RiverLMHead(nn.Module):
         self.quantized_head = quantized_head
         self.exact_top_k = exact_top_k  # RiverQuantConfig.lm_head_exact_top_k: 0 keeps the quantized logits as they are
         # A captured step cannot read the context variable of the pass (dynamo does not trace ContextVar.get): its
-        # runner (river_hf.core.captured_decode) sets this flag for the step's length, under its lock, so captured steps of two
-        # threads take turns.
+        # runner (river_hf.core.captured_decode) sets this flag for the step's length, under its lock, so captured steps
+        # of two threads take turns.
         self.captured_exit = False
 
     @classmethod
@@ -56,7 +56,8 @@ class RiverLMHead(nn.Module):
 
     def uses_quantized_head(self) -> bool:
         """True while the pass running now is a river step that left the backbone."""
-        if torch.compiler.is_compiling():  # traced: a constant of the captured graph (set by river_hf.core.captured_decode)
+        # traced: a constant of the captured graph (set by river_hf.core.captured_decode)
+        if torch.compiler.is_compiling():
             return self.captured_exit
         router = active_router()
         return router is not None and router.exited

@@ -43,7 +43,8 @@ class RiverLayer(nn.Module):
         cache = river_cache_of(kwargs)
         if cache is None:
             return self.base_layer(hidden_states, *args, **kwargs)  # plain generate: the untouched backbone
-        if cache.planned_depth is not None:  # a captured step (river_hf.core.captured_decode): its path was fixed before it began
+        # a captured step (river_hf.core.captured_decode): its path was fixed before it began
+        if cache.planned_depth is not None:
             return self._planned_module(cache.planned_depth)(hidden_states, *args, **kwargs)
         if self.twin is not None and cache.recorded_length == 0:
             # a river pass's first step: a twin built from peft adapters that have changed since is an error, not
@@ -148,7 +149,8 @@ def _refuse_packed_weights(layer: nn.Module, is_skipped) -> None:
                 f"`{name}` ({type(module).__name__}) keeps its weights packed as {weight.dtype}, so no twin can be "
                 f"quantized from it. Load the model with float weights (a GGUF: "
                 f"`from_pretrained(..., gguf_file=..., quantization_config=GgufConfig(dequantize=True))`, as "
-                f"river_hf.loading.models.load_model_and_tokenizer does), or keep it out of the twins with `skip_modules`.")
+                f"river_hf.loading.models.load_model_and_tokenizer does), "
+                f"or keep it out of the twins with `skip_modules`.")
 
 
 def _is_skipped(name: str, skip_modules: list[str]) -> bool:
@@ -198,9 +200,9 @@ def twins_prefill_faster(layers: list[RiverLayer]) -> bool:
 
 
 class AdapterLoadingMixin:
-    """Part of the river class (build_river): peft's injection (`load_adapter`, `add_adapter`) matches modules by
-    name, so it would also try to adapt the twins' quantized linears and fail halfway. It runs on the plain backbone
-    layers instead; a new active adapter then makes the next river generate ask for a rebuild (river_hf.core.adapters)."""
+    """Part of the river class (build_river): peft's injection (`load_adapter`, `add_adapter`) matches modules by name,
+    so it would also try to adapt the twins' quantized linears and fail halfway. It runs on the plain backbone layers
+    instead; a new active adapter then makes the next river generate ask for a rebuild (river_hf.core.adapters)."""
 
     def load_adapter(self, *args, **kwargs):
         with backbone_layers(self):

@@ -1,8 +1,8 @@
 """Quantize an `nn.Linear` with HQQ and run it on a weight-only kernel: the building block of a twin layer.
 
 Two steps, as in gpt-fast: HQQ turns the weight into integer codes W_q with a (scale, zero) per group, so that
-W ≈ (W_q - zero) * scale; then one kernel (`river_hf.kernels.registry`) packs those three tensors into its own layout and runs
-the matmul.
+W ≈ (W_q - zero) * scale; then one kernel (`river_hf.kernels.registry`) packs those three tensors into its own
+layout and runs the matmul.
 
 The backend is resolved per linear layer (`kernels.backends`), so a model whose twins mix widths (a `RiverQuantConfig`
 bit schedule) runs each layer on its own kernel. The int8 kernels read one (scale, zero) per output
@@ -158,7 +158,8 @@ class RiverQuantLinear(nn.Module):
         groups = 1 if group_size is None else in_features // group_size
         if codes.dtype != torch.uint8 or scale.shape != (out_features, groups) or zero.shape != scale.shape:
             raise ValueError(f"`codes` must be uint8 [N, K] and `scale`, `zero` [N, K // group_size]; got codes "
-                             f"{codes.dtype} {tuple(codes.shape)}, scale {tuple(scale.shape)}, zero {tuple(zero.shape)} "
+                             f"{codes.dtype} {tuple(codes.shape)}, scale {tuple(scale.shape)}, "
+                             f"zero {tuple(zero.shape)} "
                              f"for `group_size`={group_size}.")
         device = torch.device(device) if device is not None else codes.device
         backend = backend_for_codes(backend, nbits, group_size, out_features, in_features, device, activations)

@@ -1,6 +1,6 @@
 """The weight-only kernels a twin linear runs on: how each packs HQQ's (codes, scale, zero), runs a matmul, and reads
-its codes back. `river_hf.kernels.quantize` quantizes and builds the module; `river_hf.kernels.choice` measures which kernel is
-fastest on this machine for a layer's shape.
+its codes back. `river_hf.kernels.quantize` quantizes and builds the module; `river_hf.kernels.choice` measures which
+kernel is fastest on this machine for a layer's shape.
 
 | backend             | device | nbits   | kernel                                                                  |
 |---------------------|--------|---------|-------------------------------------------------------------------------|
@@ -17,9 +17,10 @@ fastest on this machine for a layer's shape.
 
 `w8a8_cpu` (river_hf.kernels.fbgemm_w8a8) and `matmulnbits_cpu` (river_hf.kernels.matmulnbits: int8 per block of K)
 are the kernels that are not weight-only. `w8a8_cpu` rounds each token's activations to 8 bits (7 without
-AVX512-VNNI) before an integer GEMM, so it costs fidelity the others do not, and a river uses it only when asked (`RiverQuantConfig(activations=
-"int8")`). It is there because on AVX2-only CPUs, where bf16 GEMVs and the int4 kernel are slow, its u8 x s8 GEMM
-is 2.2-2.3x a bf16 GEMV at Llama-3.2-1B's sizes, and slower at 576-wide ones (docs/activations.md).
+AVX512-VNNI) before an integer GEMM, so it costs fidelity the others do not, and a river uses it only when asked
+(`RiverQuantConfig(activations="int8")`). It is there because on AVX2-only CPUs, where bf16 GEMVs and the int4
+kernel are slow, its u8 x s8 GEMM is 2.2-2.3x a bf16 GEMV at Llama-3.2-1B's sizes, and slower at 576-wide ones
+(docs/activations.md).
 
 `dense` is the floor a measured choice can fall back to where no packed kernel beats a bf16 GEMV (e.g. the 8-bit
 kernel on some AVX2 CPUs at small shapes): the twin then costs what the backbone layer costs, never more.

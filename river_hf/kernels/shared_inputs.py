@@ -15,9 +15,10 @@ session of its own: slower, still exact.
 
 When (`activations="int8"` and `backend` "fastest" or "matmulnbits_cpu"): where every member already runs on
 `matmulnbits_cpu` (fewer calls of the same kernel: on a 2-core AVX2 CPU 1.09-1.20x faster decoding at SmolLM2's
-size, never slower at 1B; benchmarks/scripts/shared_inputs.py, docs/activations.md). With `backend="fastest"`, also where the concatenated shape timed on `matmulnbits_cpu` beats the members' own chosen
-kernels summed by `TIE_MARGIN` (river_hf.kernels.choice; the concatenated shape's timing is one more entry in
-`measured_choices()`); its members then run on `matmulnbits_cpu` even where another kernel won at their own shape.
+size, never slower at 1B; benchmarks/scripts/shared_inputs.py, docs/activations.md). With `backend="fastest"`, also
+where the concatenated shape timed on `matmulnbits_cpu` beats the members' own chosen kernels summed by `TIE_MARGIN`
+(river_hf.kernels.choice; the concatenated shape's timing is one more entry in `measured_choices()`); its members then
+run on `matmulnbits_cpu` even where another kernel won at their own shape.
 """
 
 from __future__ import annotations

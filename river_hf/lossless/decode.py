@@ -11,8 +11,8 @@ prepares the inputs, logits processors, stopping criteria, max_length and the ca
    set aside for that pass, so every layer runs its backbone layer as in plain generate; the positions are recorded
    at depth num_layers) and gives k + 1 next-token distributions, each row computed as plain generate's one-token
    step computes it (`river_hf.lossless.exact_rows`), so they are the plain model's bit for bit;
-4. keep the longest agreeing prefix plus the backbone's own next token (`river_hf.lossless.acceptance`), feed them to the
-   stopping criteria and the streamer one by one, and crop the positions of the rejected drafts.
+4. keep the longest agreeing prefix plus the backbone's own next token (`river_hf.lossless.acceptance`), feed them to
+   the stopping criteria and the streamer one by one, and crop the positions of the rejected drafts.
 
 So every cached position ends up holding the backbone's K/V: the cache equals the backbone's own cache of the same
 tokens, and no second cache or model exists. `DraftControl` times the steps and falls back to plain backbone steps
@@ -199,9 +199,9 @@ class _Decoder:
     # ---- passes and tokens --------------------------------------------------------------------------------------
     def _rows(self, rows: int):
         """A backbone pass over `rows` tokens that computes each as plain generate's one-token step would
-        (river_hf.lossless.exact_rows): the verified K/V and logits are then the plain model's bit for bit. One-token passes
-        need it too, for sliding-window layers: the lossless cache keeps keys a crop may need, which plain generate's
-        steps do not see."""
+        (river_hf.lossless.exact_rows): the verified K/V and logits are then the plain model's bit for bit. One-token
+        passes need it too, for sliding-window layers: the lossless cache keeps keys a crop may need, which plain
+        generate's steps do not see."""
         return self.exact.rows(rows) if self.exact is not None else nullcontext()
 
     def _forward(self, sequence: torch.Tensor, num_new: int):

@@ -14,8 +14,8 @@ kept drafts plus one backbone token. After at least `MIN_ROUNDS` rounds, draftin
   the mode stops after two rounds whatever the backbone kept;
 - the text: what the rounds so far actually yielded costs more than t_plain * (1 + acceptance_margin(rounds)) per
   token. A round keeps anywhere from 0 to k drafts, so its cost per token is noisy (relative spread 0.1-0.87 per
-  round on SmolLM2, `benchmarks/scripts/lossless_rounds.py`); with no margin, two or three unlucky rounds at the start of a
-  text where drafting pays overall ended drafting for the whole call. The margin narrows as 1/sqrt(rounds).
+  round on SmolLM2, `benchmarks/scripts/lossless_rounds.py`); with no margin, two or three unlucky rounds at the start
+  of a text where drafting pays overall ended drafting for the whole call. The margin narrows as 1/sqrt(rounds).
 After the fallback every step is a plain backbone step, whose output is the backbone's by construction.
 """
 
@@ -115,8 +115,8 @@ class FallbackMemory:
 
     It also keeps t_plain, the plain step time a call measured with its PROBE_STEPS steps, while drafting pays: the
     next calls with the same setting draft from their first step against it (the probe steps cost ~3% of a 128-token
-    call on the AMX Xeon, benchmarks/avx512.md#the-fallbacks-margin). A fallback forgets it, so the call that probes again
-    times the backbone afresh, and so does every REUSES_OF_T_PLAIN-th call: a t_plain timed while the machine was
+    call on the AMX Xeon, benchmarks/avx512.md#the-fallbacks-margin). A fallback forgets it, so the call that probes
+    again times the backbone afresh, and so does every REUSES_OF_T_PLAIN-th call: a t_plain timed while the machine was
     busy would otherwise make drafting look cheap, and no fallback would ever come to correct it."""
 
     fallbacks_in_a_row: int = 0

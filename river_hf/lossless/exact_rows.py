@@ -4,8 +4,8 @@ A pass over k + 1 tokens gives the same numbers as k + 1 one-token steps only up
 several rows at once sum in another order. Measured on the project's AVX2 CPU with SmolLM2-135M: in bf16 the linears
 are batch-invariant there (a 5-row matmul equals five 1-row ones bit for bit) but attention over 5 queries with a
 causal mask is not; in fp32 neither is. A near-tie argmax then flips some tokens
-later, so greedy lossless decoding drifted from the plain model's output (docs/lossless.md; `benchmarks/scripts/verify_rows.py`
-measures it).
+later, so greedy lossless decoding drifted from the plain model's output (docs/lossless.md;
+`benchmarks/scripts/verify_rows.py` measures it).
 
 Inside `ExactRows(model).rows(k + 1)`:
 - attention goes through an attention function registered with transformers' `AttentionInterface`

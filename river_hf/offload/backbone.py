@@ -85,10 +85,12 @@ class OffloadStore:
     def write(self, tensors_by_layer: dict[int, dict[str, torch.Tensor]], progress: bool = False) -> None:
         """Store every tensor ({layer: {full name: tensor}}) and open the loader on them; `progress` shows a bar
         per layer file (a large model writes gigabytes)."""
-        self.offloaded_bytes = sum(t.numel() * t.element_size() for ts in tensors_by_layer.values() for t in ts.values())
+        self.offloaded_bytes = sum(t.numel() * t.element_size()
+                                   for ts in tensors_by_layer.values() for t in ts.values())
         if self.to == "cpu":
             self.loader = OffloadedWeightsLoader(state_dict={
-                name: _pinned_copy(tensor) for tensors in tensors_by_layer.values() for name, tensor in tensors.items()})
+                name: _pinned_copy(tensor)
+                for tensors in tensors_by_layer.values() for name, tensor in tensors.items()})
             return
         index = {}
         for layer_idx, tensors in tqdm(tensors_by_layer.items(), desc="river: offloading backbone layers",
@@ -250,7 +252,8 @@ def _layers_prefix(model: nn.Module) -> str:
 def _execution_device(plan) -> torch.device:
     devices = {param.device for _, module, _ in plan for param in module.parameters(recurse=False)}
     if len(devices) != 1:
-        raise ValueError(f"`layers`: the backbone layers to offload live on several devices ({sorted(map(str, devices))}); "
+        raise ValueError(f"`layers`: the backbone layers to offload live on several devices "
+                         f"({sorted(map(str, devices))}); "
                          f"offload_backbone needs the model on one device.")
     return devices.pop()
 

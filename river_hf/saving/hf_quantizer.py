@@ -53,8 +53,8 @@ class RiverHfQuantizer(HfQuantizer):
 
     def is_serializable(self, **kwargs) -> bool:
         # RiverGenerationMixin.save_pretrained writes the backbone's checkpoint (original layers and LM head), this
-        # config and, by default, the twins in a portable form (river_hf.saving.twin_files); loading the folder reads them
-        # back (or rebuilds those that no longer fit).
+        # config and, by default, the twins in a portable form (river_hf.saving.twin_files); loading the folder reads
+        # them back (or rebuilds those that no longer fit).
         return True
 
     @property

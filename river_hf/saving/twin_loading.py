@@ -71,13 +71,15 @@ class StoredTwins:
             text = metadata[METADATA_KEY]
             record = json.loads(text)
         except (SafetensorError, OSError, KeyError, ValueError) as error:
-            raise unusable_file_error(path, f"it cannot be read as a river_hf twins file ({type(error).__name__}: {error})")
+            raise unusable_file_error(path, f"it cannot be read as a river_hf twins file "
+                           f"({type(error).__name__}: {error})")
         if not isinstance(record, dict) or record.get("format") not in READ_FORMATS:
-            raise unusable_file_error(path, f"its format is {record.get('format') if isinstance(record, dict) else None!r}, "
+            raise unusable_file_error(path, f"its format is "
+                           f"{record.get('format') if isinstance(record, dict) else None!r}, "
                            f"this river_hf reads formats {', '.join(map(str, READ_FORMATS))}")
         if record["format"] >= 4 and metadata.get(RECORD_DIGEST_KEY) != record_digest(text):
-            raise unusable_file_error(path, "its record (which twin is stored where, with its bits and fingerprint) does not "
-                           "match the record's digest")
+            raise unusable_file_error(path, "its record (which twin is stored where, with its bits and fingerprint) "
+                           "does not match the record's digest")
         if (problem := record_problem(record)) is not None:
             raise unusable_file_error(path, f"its record is damaged ({problem})")
         return cls(path, record, record_digest(text))
@@ -100,7 +102,8 @@ class StoredTwins:
         bad = sorted(name for name in expected.keys() | tensors.keys()
                      if name not in tensors or expected.get(name) != check(tensors[name]))
         if bad:
-            raise unusable_file_error(self.path, f"{len(bad)} stored tensors do not match their recorded {check.__name__}s "
+            raise unusable_file_error(self.path, f"{len(bad)} stored tensors do not match "
+                           f"their recorded {check.__name__}s "
                            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
         return tensors
 

@@ -47,7 +47,8 @@ def river_config(args: argparse.Namespace):
 
     if args.signals:
         if len(args.signals) != 1 or not args.signal_taus or len(args.signal_taus) != 1:
-            raise CLIError("--offload measures one river: one --signals NAME with one --signal-taus T, or one --taus T.")
+            raise CLIError("--offload measures one river: one --signals NAME with one --signal-taus T, "
+                           "or one --taus T.")
         return RiverConfig(tau=args.signal_taus[0], exit_signal=args.signals[0])
     if args.taus is not None and len(args.taus) != 1:
         raise CLIError("--offload measures one river: give one --taus T (or one --signals NAME --signal-taus T).")
