@@ -259,6 +259,23 @@ def test_captured_decode_step_split_adds_up_and_finds_matmuls_and_attention(prom
         assert split["matmuls"] + split["attention"] + split["rest"] == pytest.approx(split["total"])
 
 
+def test_interleaved_rates_sets_each_system_up_before_each_of_its_runs(prompt_ids):
+    """The helper exact_top_k.py and head_activations.py time with: a system's setup runs right before each of its
+    generate calls (so a swapped head is the one timed), round 0 is left out of the medians."""
+    from transformers import GenerationConfig
+
+    from conftest import tiny_model
+    script = load_script("captured_decode")
+    model = tiny_model("llama")
+    inputs = [{"input_ids": ids[None], "attention_mask": torch.ones_like(ids[None])} for ids in prompt_ids]
+    config = GenerationConfig(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    order = []
+    systems = {name: (config, lambda name=name: order.append(name)) for name in ("a", "b")}
+    rates = script.interleaved_rates(model, systems, inputs, rounds=2)
+    assert order == ["a", "b"] * (len(inputs) * 3)
+    assert set(rates) == {"a", "b"} and all(rate > 0 for rate in rates.values())
+
+
 def test_cuda_kernels_example_times_every_candidate_against_its_byte_limit(tmp_path, capsys, monkeypatch):
     """The GPU kernel table's code, run on CPU at the tiny shape: every candidate of both widths, every layer."""
     monkeypatch.setenv("RIVER_HF_CACHE", "off")

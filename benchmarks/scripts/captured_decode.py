@@ -64,6 +64,20 @@ def systems(args) -> dict:
     }
 
 
+def interleaved_rates(model, systems: dict, inputs: list[dict], rounds: int) -> dict[str, float]:
+    """Median decode tok/s of each system, name -> (generation config, setup called before each of its runs, e.g.
+    to swap a head setting in), interleaved over `rounds` after a first round over every prompt that compiles."""
+    rates = {name: [] for name in systems}
+    for round_index in range(rounds + 1):  # round 0 compiles, at every prompt's cache length
+        for prompt in inputs:
+            for name, (config, setup) in systems.items():
+                setup()
+                rate = time_generate(model, prompt, config).decode_tokens_per_s
+                if round_index:
+                    rates[name].append(rate)
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
 def prefix_match(tokens: list[int], reference: list[int]) -> tuple[int, int]:
     """(tokens equal to the reference before the first difference, tokens compared)."""
     same = 0

@@ -26,13 +26,12 @@ import torch
 from transformers import GenerationConfig
 
 from river_hf import RiverConfig, RiverQuantConfig, RiverSettings, build_river, compile_config_for
-from river_hf.bench.speed import time_generate
 from river_hf.bench.data import load_prompts
 from river_hf.bench.fidelity import backbone_references, measure_fidelity
 from river_hf.core.lm_head import river_lm_head
 from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 
-from captured_decode import CHAT
+from captured_decode import CHAT, interleaved_rates
 
 KS = (0, 4, 8, 16)
 
@@ -55,17 +54,14 @@ def captured_speeds(model, head, inputs: list[dict], rounds: int) -> dict[str, f
     """Median decode tok/s of the compiled backbone and the captured river at K = 0 and 4, interleaved."""
     fixed = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, cache_implementation="static",
                  compile_config=compile_config_for("cpu"))
-    systems = {"backbone compiled": (GenerationConfig(**fixed), 0),
-               "river K=0": (RiverConfig(tau=0.3, **fixed), 0), "river K=4": (RiverConfig(tau=0.3, **fixed), 4)}
-    rates = {name: [] for name in systems}
-    for round_index in range(rounds + 1):  # round 0 compiles
-        for prompt in inputs:
-            for name, (config, k) in systems.items():
-                head.exact_top_k = k
-                rate = time_generate(model, prompt, config).decode_tokens_per_s
-                if round_index:
-                    rates[name].append(rate)
-    return {name: statistics.median(values) for name, values in rates.items()}
+    def top_k(k: int):
+        def setup():
+            head.exact_top_k = k
+        return setup
+    systems = {"backbone compiled": (GenerationConfig(**fixed), top_k(0)),
+               "river K=0": (RiverConfig(tau=0.3, **fixed), top_k(0)),
+               "river K=4": (RiverConfig(tau=0.3, **fixed), top_k(4))}
+    return interleaved_rates(model, systems, inputs, rounds)
 
 
 def main(argv=None) -> None:

@@ -25,12 +25,11 @@ from transformers import GenerationConfig
 from river_hf import RiverConfig, RiverQuantConfig, RiverSettings, build_river, compile_config_for
 from river_hf.bench.data import load_prompts
 from river_hf.bench.fidelity import backbone_references, measure_fidelity
-from river_hf.bench.speed import time_generate
 from river_hf.core.lm_head import river_lm_head
 from river_hf.kernels.quantize import RiverQuantLinear
 from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 
-from captured_decode import CHAT
+from captured_decode import CHAT, interleaved_rates
 
 
 def w8a8_head(head) -> RiverQuantLinear:
@@ -58,18 +57,14 @@ def captured_speeds(model, head, heads: dict, inputs: list[dict], rounds: int) -
     """Median decode tok/s of the compiled backbone and the captured river with each head, interleaved."""
     fixed = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, cache_implementation="static",
                  compile_config=compile_config_for("cpu"))
-    systems = {"backbone compiled": (GenerationConfig(**fixed), next(iter(heads.values())))}
-    systems.update({f"river, {name} head": (RiverConfig(tau=0.3, **fixed), quantized)
+    def swap_in(quantized):
+        def setup():
+            head.quantized_head = quantized
+        return setup
+    systems = {"backbone compiled": (GenerationConfig(**fixed), lambda: None)}
+    systems.update({f"river, {name} head": (RiverConfig(tau=0.3, **fixed), swap_in(quantized))
                     for name, quantized in heads.items()})
-    rates = {name: [] for name in systems}
-    for round_index in range(rounds + 1):  # round 0 compiles
-        for prompt in inputs:
-            for name, (config, quantized) in systems.items():
-                head.quantized_head = quantized
-                rate = time_generate(model, prompt, config).decode_tokens_per_s
-                if round_index:
-                    rates[name].append(rate)
-    return {name: statistics.median(values) for name, values in rates.items()}
+    return interleaved_rates(model, systems, inputs, rounds)
 
 
 def print_fidelity(model, head, heads: dict, references: dict) -> None:
