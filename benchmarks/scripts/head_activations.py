@@ -39,38 +39,42 @@ def w8a8_head(head) -> RiverQuantLinear:
                                         activations="int8")
 
 
+def use(head, variant: tuple) -> None:
+    """Swap a head variant, (quantized head, exact top-k), into the river's head."""
+    head.quantized_head, head.exact_top_k = variant
+
+
 def head_cost(head, heads: dict, hidden_size: int, calls: int = 2000) -> dict[str, float]:
-    """Median µs of one exited head call (batch 1, one position) with each quantized head, interleaved."""
+    """Median µs of one exited head call (batch 1, one position) with each head variant, name -> (quantized head,
+    exact top-k), interleaved."""
     hidden = torch.randn(1, 1, hidden_size, dtype=torch.bfloat16)
     times = {name: [] for name in heads}
     with torch.inference_mode():
         for _ in range(calls):
-            for name, quantized in heads.items():
-                head.quantized_head = quantized
+            for name, variant in heads.items():
+                use(head, variant)
                 started = time.perf_counter()
                 head.exited_logits(hidden)
                 times[name].append(time.perf_counter() - started)
     return {name: statistics.median(values[calls // 10:]) * 1e6 for name, values in times.items()}
 
 
-def captured_speeds(model, head, heads: dict, inputs: list[dict], rounds: int) -> dict[str, float]:
-    """Median decode tok/s of the compiled backbone and the captured river with each head, interleaved."""
+def captured_speeds(model, head, heads: dict, inputs: list[dict], rounds: int, tau: float = 0.3) -> dict[str, float]:
+    """Median decode tok/s of the compiled backbone and the captured river with each head variant, interleaved."""
     fixed = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, cache_implementation="static",
                  compile_config=compile_config_for("cpu"))
-    def swap_in(quantized):
-        def setup():
-            head.quantized_head = quantized
-        return setup
+    def swap_in(variant):
+        return lambda: use(head, variant)
     systems = {"backbone compiled": (GenerationConfig(**fixed), lambda: None)}
-    systems.update({f"river, {name} head": (RiverConfig(tau=0.3, **fixed), swap_in(quantized))
-                    for name, quantized in heads.items()})
+    systems.update({f"river, {name} head": (RiverConfig(tau=tau, **fixed), swap_in(variant))
+                    for name, variant in heads.items()})
     return interleaved_rates(model, systems, inputs, rounds)
 
 
 def print_fidelity(model, head, heads: dict, references: dict) -> None:
     for prompts, refs in references.items():
-        for name, quantized in heads.items():
-            head.quantized_head = quantized
+        for name, variant in heads.items():
+            use(head, variant)
             for tau in (-1.0, 0.3):
                 fid = measure_fidelity(model, refs, RiverSettings(tau=tau, exit_signal="confidence"))
                 print(f"{prompts} prompts, {name} head, tau {tau:4}: teacher-forced match {fid.match:.4f} "
@@ -93,8 +97,8 @@ def main(argv=None) -> None:
             references[name] = backbone_references(model, prompts, 64, progress=True)
     build_river(model, RiverQuantConfig(), progress=False)
     head = river_lm_head(model)
-    heads = {"weight-only": head.quantized_head, "W8A8": w8a8_head(head)}
-    print(f"weight-only head kernel: {heads['weight-only'].backend}; W8A8 head kernel: {heads['W8A8'].backend}")
+    heads = {"weight-only": (head.quantized_head, head.exact_top_k), "W8A8": (w8a8_head(head), head.exact_top_k)}
+    print(f"weight-only head kernel: {heads['weight-only'][0].backend}; W8A8 head kernel: {heads['W8A8'][0].backend}")
     for name, micros in head_cost(head, heads, model.config.hidden_size, args.calls).items():
         print(f"exited head call, {name}: {micros:7.1f} µs", flush=True)
     if args.captured:
