@@ -80,7 +80,7 @@ def test_record_schema(bench_run):
     assert {"created", "arguments", "model", "prompts", "environment", "settings", "twins", "systems", "memory",
             "target"} <= set(record)
     assert record["twins"] == {"nbits": 4, "group_size": 64, "start_layer": 1, "quantize_lm_head": False,
-                               "lm_head_nbits": 8, "skip_modules": [], "backend": "auto", "kernels": ["int4pack_cpu"],
+                               "lm_head_nbits": 4, "skip_modules": [], "backend": "auto", "kernels": ["int4pack_cpu"],
                                "num_layers": NUM_LAYERS}
     assert record["settings"]["taus"] == [0.8, 1.5]  # -1 is full-quant, measured anyway
     assert record["prompts"]["texts"] == QUESTIONS[:2]
@@ -307,7 +307,11 @@ def test_twin_schedule_and_quantized_head_options():
     config = twin_config(args)
     assert config.nbits == [8, 8, 4, 4, 4] and config.quantize_lm_head and config.lm_head_nbits == 4
     assert (config.lm_head_exact_top_k == 0
-            and twin_config(build_parser().parse_args(["bench"])).lm_head_exact_top_k == 4)
+            and twin_config(build_parser().parse_args(["bench"])).lm_head_exact_top_k == 64)
+    assert twin_config(build_parser().parse_args(["bench"])).lm_head_nbits == "auto"
+    assert twin_config(build_parser().parse_args(["bench", "--lm-head-nbits", "AUTO"])).lm_head_nbits == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--lm-head-nbits", "four"])
 
 
 @pytest.mark.parametrize("flags, twins, head", [([], None, None), (["--activations", "int8"], "int8", "int8"),

@@ -289,3 +289,27 @@ def test_cuda_kernels_example_times_every_candidate_against_its_byte_limit(tmp_p
     dense = [r for r in rows if r["kernel"] == "dense"]
     assert all(r["speedup_vs_dense"] == 1.0 for r in dense)
     assert (tmp_path / "kernels.json").exists() and "| lm_head | 256x64 | 8 | int8pack_cpu |" in capsys.readouterr().out
+
+
+def test_head_bits_variants_are_each_head_at_each_k_and_swap_into_the_river(monkeypatch):
+    """head_bits.py's heads: the 8-bit (and W8A8) and 4-bit copies of the original head at each k, each one what
+    the river's head then runs (its exited logits equal the variant's own recomputation)."""
+    import river_hf
+    from conftest import tiny_model
+    from river_hf import RiverQuantConfig
+    from river_hf.core.lm_head import RiverLMHead, river_lm_head
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # it imports its sibling scripts, as when run from their folder
+    script = load_script("head_bits")
+    model = river_hf.build_river(tiny_model("llama"), RiverQuantConfig(start_layer=1, backend="auto"), progress=False)
+    head = river_lm_head(model)
+    variants = script.head_variants(head, [4, 64], w8a8=True)
+    assert list(variants) == [f"{name}, k={k}" for k in (4, 64) for name in ("8-bit", "8-bit W8A8", "4-bit")]
+    assert {name: (quantized.nbits, quantized.backend == "w8a8_cpu", k) for name, (quantized, k) in variants.items()
+            } == {f"{name}, k={k}": (bits, w8a8, k) for k in (4, 64)
+                  for name, bits, w8a8 in (("8-bit", 8, False), ("8-bit W8A8", 8, True), ("4-bit", 4, False))}
+    hidden = torch.randn(1, 1, model.config.hidden_size)
+    for quantized, k in variants.values():
+        load_script("head_activations").use(head, (quantized, k))
+        alone = RiverLMHead(head.base_head, quantized, k)
+        with torch.no_grad():
+            assert torch.equal(head.exited_logits(hidden), alone.exited_logits(hidden))

@@ -69,7 +69,8 @@ def test_schedule_and_lm_head_round_trip_through_dict_and_json(tmp_path):
     loaded = json.loads(path.read_text())
     assert loaded["nbits"] == [8, 8, 4] and loaded["quantize_lm_head"] is True and loaded["lm_head_nbits"] == 4
     assert RiverQuantConfig.from_dict(loaded) == config
-    assert RiverQuantConfig().quantize_lm_head and RiverQuantConfig().lm_head_nbits == 8  # defaults
+    assert RiverQuantConfig().quantize_lm_head and RiverQuantConfig().lm_head_nbits == "auto"  # defaults
+    assert RiverQuantConfig.from_dict(RiverQuantConfig().to_dict()).lm_head_nbits == "auto"  # saved as asked
 
 
 @pytest.mark.parametrize("tau", ["abc", None, True, math.nan, [0.5]])

@@ -1,5 +1,6 @@
 """The defaults: tau='auto' (the signal's measured tau where exiting pays on this machine, else the plain backbone),
-the confidence signal, nbits='auto' (4-bit first quarter, 8-bit after) and the 8-bit LM head."""
+the confidence signal, nbits='auto' (4-bit first quarter, 8-bit after) and lm_head_nbits='auto' (a 4-bit LM head
+whose top 64 logits the original head recomputes; 8-bit where it may take W8A8 or the backend runs only 8 bits)."""
 
 import warnings
 
@@ -52,7 +53,7 @@ def test_the_defaults_are_auto_tau_and_the_confidence_signal():
 
 def test_nbits_auto_puts_4_bits_in_the_first_quarter_and_8_after():
     config = RiverQuantConfig()
-    assert config.nbits == "auto" and config.quantize_lm_head and config.lm_head_nbits == 8
+    assert config.nbits == "auto" and config.quantize_lm_head and config.lm_head_nbits == "auto"
     assert config.resolved_nbits(30) == [4] * 7 + [8] * 22  # SmolLM2's 29 river layers: the measured best mix
     assert config.resolved_nbits(16) == [4] * 3 + [8] * 12  # Llama-3.2-1B: the rule scales with depth
     assert RiverQuantConfig(start_layer=2).resolved_nbits(4) == [8, 8]  # under 4 river layers: all 8-bit
@@ -67,8 +68,31 @@ def test_a_default_build_has_mixed_twins_and_a_quantized_head():
     bits = [{linear.nbits for linear in twin_linears(layer.twin)} for layer in river_layers(model)[1:]]
     assert bits == [{4}, {4}] + [{8}] * 7  # 9 river layers: int(9 / 4) = 2 shallow ones
     assert all(linear.group_size is None for layer in river_layers(model)[3:] for linear in twin_linears(layer.twin))
-    assert isinstance(model.get_output_embeddings(), RiverLMHead)
+    head = model.get_output_embeddings()
+    assert isinstance(head, RiverLMHead)
+    assert (head.quantized_head.nbits, head.quantized_head.group_size, head.exact_top_k) == (4, 64, 64)
     assert RiverQuantConfig().to_dict()["nbits"] == "auto"  # saved as the rule, not one model's schedule
+
+
+@pytest.mark.parametrize("fields, bits", [
+    ({}, 4),
+    ({"lm_head_nbits": 8}, 8),
+    ({"lm_head_nbits": 2}, 2),
+    ({"activations": "int8"}, 8),  # the twins' int8 activations reach the head: fbgemm's W8A8 kernel is 8-bit
+    ({"lm_head_activations": "int8"}, 8),
+    ({"activations": "int8", "lm_head_activations": None}, 4),
+    ({"nbits": 8, "backend": "int8pack_cpu"}, 8),  # a kernel that runs only 8 bits
+    ({"nbits": 8, "backend": "w8a8_cpu", "activations": "int8"}, 8),
+    ({"nbits": 4, "backend": "int4pack_cpu"}, 4),
+    ({"nbits": 4, "backend": "hqq", "activations": "int8"}, 4),  # an explicit backend decides, not the activations
+])
+def test_lm_head_nbits_auto_is_4_bits_unless_the_head_takes_w8a8_or_the_backend_runs_only_8(fields, bits):
+    config = RiverQuantConfig(**fields)
+    assert config.head_nbits == bits
+    assert config.lm_head_group_size == (None if bits == 8 else config.group_size)
+    assert RiverQuantConfig.from_dict(config.to_dict()).head_nbits == bits  # resolved again the same way when loaded
+    with pytest.raises(ValueError, match="`lm_head_nbits`='eight' is not supported"):
+        RiverQuantConfig(lm_head_nbits="eight")
 
 
 # ---- tau='auto' --------------------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def test_w8a8_twins_under_a_weight_only_head(prompt_ids):
     plain = generate(model, prompt_ids).sequences
     river = river_of(model, nbits=8, group_size=None, quantize_lm_head=True, backend="auto", activations="int8",
                      lm_head_activations=None)
-    assert kernels(river) == ({"w8a8_cpu"}, "int8pack_cpu")
+    assert kernels(river) == ({"w8a8_cpu"}, "int4pack_cpu")  # lm_head_nbits='auto': a weight-only head is 4-bit
     assert_full_quantization_is_exact(river, prompt_ids, plain)
 
 

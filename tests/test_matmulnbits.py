@@ -144,7 +144,8 @@ def test_bad_settings_name_the_field():
     # field
     ort = dict(backend="matmulnbits_cpu", activations="int8")
     with pytest.raises(ValueError, match="`lm_head_nbits`=8 quantizes the LM head with one scale per row"):
-        RiverQuantConfig(nbits=4, **ort)
+        RiverQuantConfig(nbits=4, lm_head_nbits=8, **ort)
+    assert RiverQuantConfig(nbits=4, **ort).head_nbits == 4  # 'auto': a W4A8 backend gets a grouped 4-bit head
     with pytest.raises(ValueError, match="`nbits`='auto' gives some twins 8 bits with one scale per row"):
         RiverQuantConfig(quantize_lm_head=False, **ort)
     with pytest.raises(ValueError, match="`group_size` is None"):

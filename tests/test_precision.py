@@ -299,9 +299,9 @@ def test_exact_top_k_zero_keeps_the_quantized_logits():
 
 
 def test_exact_top_k_is_checked_and_a_loading_setting():
-    assert RiverQuantConfig().lm_head_exact_top_k == 4
+    assert RiverQuantConfig().lm_head_exact_top_k == 64
     for bad in (-1, 2.5, True, "4"):
         with pytest.raises(ValueError, match="`lm_head_exact_top_k` must be an integer >= 0"):
             RiverQuantConfig(lm_head_exact_top_k=bad)
     assert "lm_head_exact_top_k" in RiverQuantConfig(lm_head_exact_top_k=0).get_loading_attributes()
-    assert "top 4 logits recomputed" in repr(river_of(tiny_model(), quantize_lm_head=True).lm_head)
+    assert "top 64 logits recomputed" in repr(river_of(tiny_model(), quantize_lm_head=True).lm_head)

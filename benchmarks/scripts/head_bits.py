@@ -1,5 +1,5 @@
-"""The exited steps' LM head at 8 bits per row (the default) or 4 bits (group 64), each with the exact top-k recompute
-(`lm_head_exact_top_k`) at several k, swapped into one river in one process.
+"""The exited steps' LM head at 8 bits per row or 4 bits (group 64), each with the exact top-k recompute
+(`lm_head_exact_top_k`) at several k, swapped into one river with the default twins (`nbits="auto"`) in one process.
 
     python benchmarks/scripts/head_bits.py                          # µs per exited head call, each variant (SmolLM2)
     python benchmarks/scripts/head_bits.py --fidelity               # + teacher-forced match / KL, test + train prompts
@@ -34,18 +34,19 @@ from river_hf.kernels.quantize import RiverQuantLinear
 from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 
 from captured_decode import CHAT
-from head_activations import captured_speeds, head_cost, print_fidelity
+from head_activations import captured_speeds, head_cost, print_fidelity, w8a8_head
 
-DEFAULT_TOP_KS = (4, 16, 64)
+DEFAULT_TOP_KS = (4, 64)
 
 
-def head_variants(head, top_ks) -> dict[str, tuple]:
-    """name -> (quantized head, exact top-k): the river's own 8-bit head at its k, and a 4-bit copy of the original
-    head (group 64, its kernel timed like the twins') at each k of `top_ks`."""
-    four_bit = RiverQuantLinear.from_linear(head.base_head, nbits=4, group_size=64, backend="fastest")
-    variants = {f"8-bit, k={head.exact_top_k}": (head.quantized_head, head.exact_top_k)}
-    variants.update({f"4-bit, k={k}": (four_bit, k) for k in top_ks})
-    return variants
+def head_variants(head, top_ks, w8a8: bool = False) -> dict[str, tuple]:
+    """name -> (quantized head, exact top-k) at each k of `top_ks`: an 8-bit per-row copy of the original head, with
+    `w8a8` the same on fbgemm's W8A8 kernel, and a 4-bit copy (group 64); weight-only kernels timed like the twins'."""
+    heads = {"8-bit": RiverQuantLinear.from_linear(head.base_head, nbits=8, group_size=None, backend="fastest")}
+    if w8a8:
+        heads["8-bit W8A8"] = w8a8_head(head)
+    heads["4-bit"] = RiverQuantLinear.from_linear(head.base_head, nbits=4, group_size=64, backend="fastest")
+    return {f"{name}, k={k}": (quantized, k) for k in top_ks for name, quantized in heads.items()}
 
 
 def smollm2_references(model, tokenizer) -> dict:
@@ -61,6 +62,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--random-model", default=None, help="a shape of river_hf.bench.shapes (speed only)")
     parser.add_argument("--top-ks", type=int, nargs="+", default=list(DEFAULT_TOP_KS))
+    parser.add_argument("--w8a8", action="store_true", help="also the 8-bit head on fbgemm's W8A8 kernel (VNNI CPUs)")
     parser.add_argument("--fidelity", action="store_true")
     parser.add_argument("--captured", action="store_true")
     parser.add_argument("--tau", type=float, default=0.3, help="the captured river's confidence tau (-1: every step)")
@@ -78,7 +80,7 @@ def main(argv=None) -> None:
     references = smollm2_references(model, tokenizer) if args.fidelity else {}
     build_river(model, RiverQuantConfig(), progress=False)
     head = river_lm_head(model)
-    heads = head_variants(head, args.top_ks)
+    heads = head_variants(head, args.top_ks, args.w8a8)
     # each variant is its own graph per path (a module and an int dynamo guards on): more than its default limit of 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * (len(heads) + 1))
     print("kernels: " + ", ".join(f"{name}: {quantized.backend}" for name, (quantized, _) in heads.items()))

@@ -150,7 +150,7 @@ def calibration_key(model: str, quant_config: RiverQuantConfig, device: str) -> 
     """Model + everything that changes the twins' numerics (the kernel follows from backend and device)."""
     skip = ",".join(quant_config.skip_modules) or "-"
     device_type = str(device).split(":")[0]  # cuda:0 and cuda:1 run the same kernels
-    head = f" lm_head={quant_config.lm_head_nbits}" if quant_config.quantize_lm_head else ""
+    head = f" lm_head={quant_config.head_nbits}" if quant_config.quantize_lm_head else ""
     return (f"{model} | nbits={quant_config.nbits} group_size={quant_config.group_size} "
             f"start_layer={quant_config.start_layer} skip={skip} backend={quant_config.backend}{head} | {device_type}")
 

@@ -331,7 +331,7 @@ def twin_description(river_model: nn.Module) -> dict:
     rule = {"nbits_rule": quant.nbits} if isinstance(quant.nbits, str) else {}
     return {"nbits": quant.resolved_nbits(len(layers)), **rule, "group_size": quant.group_size,
             "start_layer": quant.start_layer,
-            "quantize_lm_head": quant.quantize_lm_head, "lm_head_nbits": quant.lm_head_nbits,
+            "quantize_lm_head": quant.quantize_lm_head, "lm_head_nbits": quant.head_nbits,
             "skip_modules": list(quant.skip_modules), "backend": quant.backend, "kernels": kernels,
             "num_layers": len(layers)}
 

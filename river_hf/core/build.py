@@ -111,7 +111,7 @@ def _quantized_lm_head(model: nn.Module, quant_config: RiverQuantConfig, stored=
     quantized = stored.lm_head(head, quant_config) if stored is not None and isinstance(head, nn.Linear) else None
     if quantized is not None:
         return RiverLMHead(head, quantized, quant_config.lm_head_exact_top_k)
-    lm_head = RiverLMHead.from_head(head, nbits=quant_config.lm_head_nbits,
+    lm_head = RiverLMHead.from_head(head, nbits=quant_config.head_nbits,
                                     group_size=quant_config.lm_head_group_size, axis=quant_config.axis,
                                     backend=quant_config.backend, activations=quant_config.head_activations,
                                     exact_top_k=quant_config.lm_head_exact_top_k)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from itertools import groupby
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
@@ -39,8 +40,9 @@ VERIFY_TWINS = ("sampled", "full")
 # attributes"); its other fields give way to the saved ones
 LOADING_FIELDS = ("backend", "activations", "lm_head_activations", "lm_head_exact_top_k", "verify_twins")
 AUTO_SHALLOW_SHARE, AUTO_SHALLOW_BITS, AUTO_DEEP_BITS = 0.25, 4, 8
-# lm_head_exact_top_k's default: the exited steps' top logits recomputed with the original head (docs/defaults.md)
-DEFAULT_EXACT_TOP_K = 4
+# The exited steps' LM head (docs/defaults.md): 4-bit for lm_head_nbits="auto", its top 64 logits recomputed with the
+# original head (64: a 4-bit head then keeps the 8-bit head's match; transformers samples from top_k=50 by default)
+AUTO_HEAD_BITS, DEFAULT_EXACT_TOP_K = 4, 64
 # lm_head_activations' default: the quantized LM head's kernels may do to activations what the twins' may
 AS_TWINS = "as_twins"
 
@@ -54,11 +56,10 @@ class RiverQuantConfig(QuantizationConfigMixin):
         metadata={"help": f"Bits per twin weight, each one of {SUPPORTED_NBITS}: 'auto' (the default: 4-bit twins for "
                   f"the first quarter of the river layers, rounded down, and 8-bit per-row twins after: the most "
                   f"faithful mix at a given speed in our measurements, as a rule that scales with depth), one int for "
-                  f"every twin, or a "
-                  f"schedule, a list with one int per river layer (layers start_layer .. num_layers - 1, in order; "
-                  f"its length must be num_layers - start_layer), e.g. 8 for the first river layers and 4 after. In "
-                  f"a schedule, 8-bit layers are quantized with one group per output row (the int8 kernel's layout, "
-                  f"no warning) and `group_size` applies to the layers of 4 bits or fewer."},
+                  f"every twin, or a schedule, a list with one int per river layer (layers start_layer .. "
+                  f"num_layers - 1, in order; its length must be num_layers - start_layer), e.g. 8 for the first "
+                  f"river layers and 4 after. In a schedule, 8-bit layers are quantized with one group per output row "
+                  f"(the int8 kernel's layout, no warning) and `group_size` applies to the layers of 4 bits or fewer."},
     )
     group_size: int | None = field(
         default=64,
@@ -112,10 +113,12 @@ class RiverQuantConfig(QuantizationConfigMixin):
                   "backbone (tau > 1 and plain generate always use the original head). The original head, tied "
                   "or not, is never changed; remove_river and save_pretrained give it back."},
     )
-    lm_head_nbits: int = field(
-        default=8,
-        metadata={"help": f"Bits of the quantized LM head, one of {SUPPORTED_NBITS} (used when quantize_lm_head). "
-                  f"8 bits: one group per output row; fewer bits use `group_size`."},
+    lm_head_nbits: int | str = field(
+        default=AUTO_NBITS,
+        metadata={"help": f"Bits of the quantized LM head, 'auto' or one of {SUPPORTED_NBITS}; 8 bits: one group "
+                  f"per row, fewer: `group_size`. 'auto': 4 (with `lm_head_exact_top_k` it keeps the 8-bit head's "
+                  f"match, docs/defaults.md), 8 where the head may take int8 activations (W8A8) or `backend` runs "
+                  f"no 4-bit weights."},
     )
     lm_head_activations: str | None = field(
         default=AS_TWINS,
@@ -206,7 +209,7 @@ class RiverQuantConfig(QuantizationConfigMixin):
         self.skip_modules = list(self.skip_modules)
         if not isinstance(self.quantize_lm_head, bool):
             raise ValueError(f"`quantize_lm_head` must be True or False; got {self.quantize_lm_head!r}.")
-        self.lm_head_nbits = check_choice("lm_head_nbits", self.lm_head_nbits, SUPPORTED_NBITS)
+        self.lm_head_nbits = check_choice("lm_head_nbits", self.lm_head_nbits, (AUTO_NBITS,) + SUPPORTED_NBITS)
         if not is_int(self.lm_head_exact_top_k) or self.lm_head_exact_top_k < 0:
             raise ValueError(f"`lm_head_exact_top_k` must be an integer >= 0 (0: no logit recomputed); got "
                              f"{self.lm_head_exact_top_k!r}.")
@@ -244,7 +247,7 @@ class RiverQuantConfig(QuantizationConfigMixin):
         supported = backend_nbits(self.backend)
         widths = [("nbits", bits) for bits in self.schedule_bits()]
         if self.quantize_lm_head:
-            widths.append(("lm_head_nbits", self.lm_head_nbits))
+            widths.append(("lm_head_nbits", self.head_nbits))
         for name, bits in widths:
             if bits not in supported:
                 raise ValueError(
@@ -265,7 +268,7 @@ class RiverQuantConfig(QuantizationConfigMixin):
                              f"backend='fastest' (it picks a per-row kernel for those layers).")
         if self.quantize_lm_head and self.lm_head_group_size is None:
             raise ValueError(f"`backend`='matmulnbits_cpu' needs grouped codes, but `lm_head_nbits`="
-                             f"{self.lm_head_nbits} quantizes the LM head with one scale per row; use "
+                             f"{self.head_nbits} quantizes the LM head with one scale per row; use "
                              f"quantize_lm_head=False, lm_head_nbits=4, or backend='fastest'.")
 
     @classmethod
@@ -339,9 +342,20 @@ class RiverQuantConfig(QuantizationConfigMixin):
         return self.activations if self.lm_head_activations == AS_TWINS else self.lm_head_activations
 
     @property
+    def head_nbits(self) -> int:
+        """`lm_head_nbits`; 'auto': 4, or 8 where the head's kernel, picked per machine, may be fbgemm's W8A8 (8-bit,
+        the fast one there) or `backend` runs no 4-bit weights."""
+        if self.lm_head_nbits != AUTO_NBITS:
+            return self.lm_head_nbits
+        w8a8_head = self.head_activations == "int8" and self.backend in ("auto", "fastest")
+        if w8a8_head or AUTO_HEAD_BITS not in backend_nbits(self.backend):
+            return PER_ROW_NBITS
+        return AUTO_HEAD_BITS
+
+    @property
     def lm_head_group_size(self) -> int | None:
         """The group size of the quantized LM head: per row for 8 bits, else `group_size`."""
-        return None if self.lm_head_nbits == PER_ROW_NBITS else self.group_size
+        return None if self.head_nbits == PER_ROW_NBITS else self.group_size
 
     def check_model_depth(self, num_layers: int) -> None:
         """The river needs at least one twin: start_layer must name an existing layer; a schedule covers exactly the
@@ -383,10 +397,4 @@ def bits_label(nbits) -> str:
         return f"auto ({AUTO_SHALLOW_BITS} for the first quarter, {AUTO_DEEP_BITS} after)"
     if not isinstance(nbits, (list, tuple)):
         return str(nbits)
-    runs: list[list[int]] = []
-    for bits in nbits:
-        if runs and runs[-1][0] == bits:
-            runs[-1][1] += 1
-        else:
-            runs.append([bits, 1])
-    return "/".join(f"{bits}x{count}" for bits, count in runs)
+    return "/".join(f"{bits}x{len(list(run))}" for bits, run in groupby(nbits))

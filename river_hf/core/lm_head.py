@@ -4,8 +4,9 @@ With `RiverQuantConfig(quantize_lm_head=True)`, `build_river` replaces the model
 `RiverLMHead` holding the original head, untouched, and a `RiverQuantLinear` copy of it. Per forward pass it uses:
 - the quantized head when the pass is a river step that exited (its router's `exited`): the token already ran
   its last layers on the twins, so its logits come from the cheap head too, except the few it ranks highest
-  (`lm_head_exact_top_k`, 4 by default), which the original head's rows recompute: the 8-bit head's rounding then
-  cannot change a greedy token the original head would have picked from the same hidden state, for a few KB read;
+  (`lm_head_exact_top_k`, 64 by default), which the original head's rows recompute: the quantized head's rounding
+  (4 bits by default, `lm_head_nbits="auto"`) then cannot change a greedy token the original head would have picked
+  from the same hidden state unless it ranks that token below its top k, for k rows read;
 - the original head, exactly, otherwise: steps that never exited (so tau > 1 still equals the backbone token for
   token), plain `generate` and plain forward calls.
 

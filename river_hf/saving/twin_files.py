@@ -138,7 +138,7 @@ def save_twins(model: nn.Module, folder: str | os.PathLike) -> str:
     head = river_lm_head(model)
     if head is not None:
         config = layers[-1].quant_config
-        record["lm_head"] = {"nbits": config.lm_head_nbits, "group_size": config.lm_head_group_size,
+        record["lm_head"] = {"nbits": config.head_nbits, "group_size": config.lm_head_group_size,
                              "linear": _linear_entry("lm_head", head.quantized_head, tensors)}
     record["checksums"] = {name: checksum(tensor) for name, tensor in tensors.items()}
     path = os.path.join(folder, TWINS_FILE)

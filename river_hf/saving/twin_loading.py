@@ -162,7 +162,7 @@ class StoredTwins:
         try:
             if stored is None:
                 raise _Mismatch("no quantized LM head is stored")
-            _check_asked(stored, quant_config.lm_head_nbits, quant_config.lm_head_group_size, "lm_head_nbits")
+            _check_asked(stored, quant_config.head_nbits, quant_config.lm_head_group_size, "lm_head_nbits")
             return self._linear(stored["linear"], head, quant_config, quant_config.head_activations)
         except _Mismatch as mismatch:
             warnings.warn(f"river: the stored twins in {self.path} do not fit the LM head: {mismatch}. It is "

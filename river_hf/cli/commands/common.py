@@ -110,6 +110,16 @@ def prefill_exit_arg(text: str) -> str | int:
                                          f"got {text!r}") from None
 
 
+def head_nbits_arg(text: str) -> int | str:
+    """--lm-head-nbits: 'auto' -> 'auto'; '4' -> 4."""
+    if text.strip().lower() == AUTO_NBITS:
+        return AUTO_NBITS
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of bits, got {text!r}") from None
+
+
 def nbits_arg(text: str) -> int | list[int] | str:
     """'auto' -> 'auto'; '4' -> 4; '8*2,4*3' or '8,8,4,4,4' -> [8, 8, 4, 4, 4]."""
     if text.strip().lower() == AUTO_NBITS:
@@ -223,8 +233,9 @@ def add_twin_args(parser: argparse.ArgumentParser) -> None:
                        default=defaults.quantize_lm_head,
                        help="Steps that exited also use a quantized copy of the LM head (the backbone keeps its own; "
                             "default: on).")
-    group.add_argument("--lm-head-nbits", type=int, default=8, metavar="N",
-                       help="Bits of the quantized LM head (default: %(default)s).")
+    group.add_argument("--lm-head-nbits", type=head_nbits_arg, default=defaults.lm_head_nbits, metavar="N",
+                       help="Bits of the quantized LM head, or 'auto': 4 bits with its top logits recomputed "
+                            "exactly, 8 where it runs on int8 activations (default: %(default)s).")
     group.add_argument("--group-size", type=group_size_arg, default=64, metavar="N",
                        help="HQQ quantization group size, or 'none' for one group per row (default: %(default)s).")
     group.add_argument("--start-layer", type=positive_int, default=1, metavar="L",
