@@ -89,15 +89,20 @@ def probability(text: str) -> float:
     return value
 
 
-def tau_arg(text: str) -> float | str:
-    if text.strip().lower() == AUTO_TAU:
-        return AUTO_TAU
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid float value: {text!r} (give a number, or 'auto')"
-        ) from None
+def auto_or(auto: str, convert, what: str):
+    """An argparse type: `auto` (any case) -> `auto`, else `convert(text)`, else an error saying `what` it wanted."""
+    def parse(text: str):
+        if text.strip().lower() == auto:
+            return auto
+        try:
+            return convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {what}: {text!r} (give a number, or {auto!r})") from None
+    return parse
+
+
+tau_arg = auto_or(AUTO_TAU, float, "float value")
+head_nbits_arg = auto_or(AUTO_NBITS, int, "number of bits")  # --lm-head-nbits
 
 
 def prefill_exit_arg(text: str) -> str | int:
@@ -108,16 +113,6 @@ def prefill_exit_arg(text: str) -> str | int:
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected one of {', '.join(PREFILL_EXITS)} or a number of layers >= 1; "
                                          f"got {text!r}") from None
-
-
-def head_nbits_arg(text: str) -> int | str:
-    """--lm-head-nbits: 'auto' -> 'auto'; '4' -> 4."""
-    if text.strip().lower() == AUTO_NBITS:
-        return AUTO_NBITS
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of bits, got {text!r}") from None
 
 
 def nbits_arg(text: str) -> int | list[int] | str:
