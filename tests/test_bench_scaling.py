@@ -122,6 +122,25 @@ def test_one_build_only_runs_its_own_systems(tmp_path):
     assert set(record["random_model"]["peak_rss_after_bytes"]) == {"backbone", "4-bit twins + head"}
 
 
+def test_the_4_bit_build_quantizes_the_head_to_lm_head_nbits(scaling_run, tmp_path):
+    """Without --lm-head-nbits the scaling builds keep the 8-bit head their records define full quantization with;
+    given one ('auto': the river's default, 4 bits here), the head takes it and the names say so."""
+    eight_bit_head, _, _ = scaling_run
+    assert eight_bit_head["random_model"]["twin_builds"]["4-bit"]["lm_head_nbits"] == 8
+    output = tmp_path / "head4.json"
+    code, _ = run_cli(["bench", "--random-model", "tiny-test", "--quick", "--prompts", "1", "--rounds", "1",
+                       "--max-new-tokens", "4", "--prompt-length", "8", "--start-layer", "1", "--backend", "auto",
+                       "--twin-bits", "4", "--lm-head-nbits", "auto", "--exit-rates", "--no-plots",
+                       "--output", str(output)])
+    record = json.loads(output.read_text())
+    assert code == 0 and record["random_model"]["twin_builds"]["4-bit"]["lm_head_nbits"] == 4
+    assert [system["name"] for system in record["systems"]] == [
+        "backbone", "full-quant 4-bit+4-bit head (river)", "static 4-bit", "static 4-bit+4-bit head"]
+    bytes_of = {system["name"]: system["summary"]["weight_bytes_per_token"]
+                for run in (record, eight_bit_head) for system in run["systems"]}
+    assert bytes_of["static 4-bit+4-bit head"] < bytes_of["static 4-bit+head"] < bytes_of["static 4-bit"]
+
+
 def test_unknown_twin_bits_name_the_field():
     from river_hf.bench.scaling import twin_configs
     from river_hf.core.config import RiverQuantConfig

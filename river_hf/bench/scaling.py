@@ -7,10 +7,11 @@ Every system runs in ONE process, interleaved after warm-up, against the same ba
 river builds, so they are built one after the other on the same backbone: the 8-bit twins first, kept alive by
 static full-quantization models (`systems.static_full_quant` copies only module containers: they share the
 backbone's weights and hold the twins), then the river is removed and rebuilt with 4-bit twins and the quantized
-8-bit LM head, which the "+head" static models take as their head. The river model that remains runs the backbone,
+LM head (as `quant.lm_head_nbits` says; `river-hf bench` passes 8, the issue's full quantization, unless told
+otherwise), which the "+head" static models take as their head. The river model that remains runs the backbone,
 full quantization through the router and random routing.
 
-    record = bench_random_model("llama-3.2-1b", QUICK, RiverQuantConfig(group_size=64, backend="fastest"))
+    record = bench_random_model("llama-3.2-1b", QUICK, RiverQuantConfig(backend="fastest", lm_head_nbits=8))
 """
 
 from __future__ import annotations
@@ -41,18 +42,20 @@ from .systems import (
 
 SCALING_EXIT_RATES = (0.5, 0.9)
 TWIN_BITS = (8, 4)  # the builds, in build order
+RANDOM_MODEL_HEAD_NBITS = 8  # the CLI's head for these builds: full quantization is 4-bit twins + an 8-bit head
 NOT_MEASURED = "not measured: random weights"
 
 
 def twin_configs(quant: RiverQuantConfig, twin_bits=TWIN_BITS) -> dict[str, RiverQuantConfig]:
     """The builds: 8-bit twins (per row: the int8 kernels read one scale per row), then 4-bit twins; the last build
-    (the river that stays) also quantizes the LM head to 8 bits. Group size, start layer, backend and activations as
+    (the river that stays) also quantizes the LM head, to `quant.lm_head_nbits` (8 where only 8-bit twins are built:
+    their per-row codes have no groups for a 4-bit head). Group size, start layer, backend and activations as
     `quant` says. `twin_bits` keeps only some (e.g. (4,) where two builds do not fit in memory: the 3B shape on a
     24 GiB machine; (8,) for 8-bit twins with the 8-bit head)."""
     only_8 = tuple(twin_bits) == (8,)
     eight = "8-bit W8A8" if quant.activations == "int8" else "8-bit"  # its own line in the scaling plot
     configs = {8: (eight, replace(quant, nbits=8, group_size=None, quantize_lm_head=only_8, lm_head_nbits=8)),
-               4: ("4-bit", replace(quant, nbits=4, quantize_lm_head=True, lm_head_nbits=8))}
+               4: ("4-bit", replace(quant, nbits=4, quantize_lm_head=True))}
     unknown = sorted(set(twin_bits) - set(configs))
     if unknown or not twin_bits:
         raise ValueError(f"`twin_bits`={tuple(twin_bits)!r}: use 4, 8 or both.")
@@ -86,21 +89,28 @@ def scaling_systems(model, quant: RiverQuantConfig, max_new_tokens: int, exit_ra
         statics[label] = static_full_quant(model)
         head = river_lm_head(model).quantized_head if config.quantize_lm_head else head
     plain = GenerationConfig(**fixed)
-    last = list(configs)[-1] + ("+head" if head is not None else "")
+    suffix = head_suffix(list(configs.values())[-1]) if head is not None else ""
+    last = list(configs)[-1] + suffix
     return [System(BACKBONE, "backbone", plain),
             System(f"full-quant {last} (river)", "full-quant", RiverConfig(**FULL_QUANT_RIVER, **fixed), tau=-1.0),
-            *_static_systems(statics, head, plain),
+            *_static_systems(statics, head, plain, suffix),
             *random_systems(list(exit_rates), seed, fixed),
             *(compiled_systems(str(model.device), fixed, exit_rates, seed) if compiled else [])]
 
 
-def _static_systems(statics: dict, head, plain) -> list[System]:
+def head_suffix(config: RiverQuantConfig) -> str:
+    """How a system's name shows the quantized head: "+head" for the 8-bit one (the names of the records so far),
+    "+4-bit head" for another."""
+    return "+head" if config.head_nbits == 8 else f"+{config.head_nbits}-bit head"
+
+
+def _static_systems(statics: dict, head, plain, suffix: str = "+head") -> list[System]:
     """Each build's static full quantization, with and without the quantized head (when one was built)."""
     systems = []
     for label in sorted(statics, key=lambda label: int(label.split("-")[0])):  # 4-bit first, as before
         variants = [(f"static {label}", statics[label])]
         if head is not None:
-            variants.append((f"static {label}+head", with_head(statics[label], head)))
+            variants.append((f"static {label}{suffix}", with_head(statics[label], head)))
         systems += [System(name, "static-full-quant", plain, model=static) for name, static in variants]
     return systems
 
@@ -129,6 +139,6 @@ def bench_random_model(name: str, settings: BenchSettings, quant: RiverQuantConf
     record["random_model"] = {"name": name, "shape": SHAPES[name], "parameters": parameters,
                               "prompt_length": prompt_length, "seed": seed, "peak_rss_after_bytes": stages,
                               "hqq_optimizer": False,  # plain_rounding: same kernels and bytes, faster builds
-                              "twin_builds": {label: config.to_dict()
+                              "twin_builds": {label: {**config.to_dict(), "lm_head_nbits": config.head_nbits}
                                               for label, config in twin_configs(quant, twin_bits).items()}}
     return record

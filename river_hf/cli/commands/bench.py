@@ -52,7 +52,8 @@ def add_parser(subparsers) -> None:
     _add_lossless_args(parser)
     common.add_prompt_args(parser, split="test")
     common.add_model_args(parser)
-    common.add_twin_args(parser)
+    common.add_twin_args(parser, head_nbits_note="default: auto; with --random-model 8, its full quantization being "
+                                                  "4-bit twins + an 8-bit head")
     parser.set_defaults(run=run, subparser=parser)
 
 
@@ -65,7 +66,8 @@ def _add_random_model_args(parser: argparse.ArgumentParser) -> None:
                        help=f"Instead of --model: a Llama of this shape ({', '.join(SHAPES)}) with random bf16 "
                             "weights. Speed, memory and weight bytes only (fidelity is not measured on random "
                             "weights): the backbone, full quantization with 4-bit and with 8-bit twins, each with "
-                            "and without the 8-bit LM head, and random routing (--exit-rates, default 0.5 0.9), in one "
+                            "and without the quantized LM head (8-bit unless --lm-head-nbits says otherwise), and "
+                            "random routing (--exit-rates, default 0.5 0.9), in one "
                             "process. Two rivers are built one after the other, and HQQ quantization takes a while: "
                             "seconds for the 135M shape, minutes for the 1B and 3B shapes on 2 CPU cores (a progress "
                             "bar shows it). --nbits and --quantize-lm-head are fixed by this mode; the plot "
@@ -74,7 +76,7 @@ def _add_random_model_args(parser: argparse.ArgumentParser) -> None:
                        help="Random token ids per prompt with --random-model (default: %(default)s).")
     group.add_argument("--twin-bits", type=int, nargs="+", choices=(4, 8), default=[8, 4], metavar="BITS",
                        help="The river builds of --random-model (default: both, 8 then 4); `--twin-bits 4` builds "
-                            "only the 4-bit twins with the 8-bit head, where two builds do not fit in memory; "
+                            "only the 4-bit twins with the quantized head, where two builds do not fit in memory; "
                             "`--twin-bits 8` only the 8-bit twins, with the 8-bit head (with --activations int8: W8A8 "
                             "twins).")
 
@@ -154,6 +156,7 @@ def _run_lossless(args: argparse.Namespace, quant_config, settings, output) -> i
 def run(args: argparse.Namespace) -> int:
     from ...bench import records, report
     from ...bench.run import FULL, QUICK, bench, environment
+    from ...bench.scaling import RANDOM_MODEL_HEAD_NBITS
     from ...bench.systems import Sweep
 
     if args.taus is not None and not all(math.isfinite(tau) for tau in args.taus):
@@ -162,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--compiled adds captured systems to the tau sweep or --random-model; --strategies, --lossless "
                        "and --offload cannot run on a static cache (other KV strategies, cropped caches, offload "
                        "hooks): leave out --compiled.")
+    if args.lm_head_nbits is None and args.random_model is not None:
+        args.lm_head_nbits = RANDOM_MODEL_HEAD_NBITS  # what their records and the commands in docs/ define
     quant_config = common.twin_config(args)
     output = common.output_path(args, records.default_name("bench"))
     settings = (QUICK if args.quick else FULL).with_overrides(**vars(args))

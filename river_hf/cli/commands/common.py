@@ -214,7 +214,9 @@ def num_layers(model) -> int:
 
 
 # ---- the twins --------------------------------------------------------------------------------------------------
-def add_twin_args(parser: argparse.ArgumentParser) -> None:
+def add_twin_args(parser: argparse.ArgumentParser, head_nbits_note: str | None = None) -> None:
+    """The twin options. `head_nbits_note`: `--lm-head-nbits` defaults to None, which the command resolves, and
+    its help ends with this note instead of the default (bench: 8 bits under --random-model)."""
     from ...kernels.backends import BACKENDS
 
     group = parser.add_argument_group("twins")
@@ -228,9 +230,11 @@ def add_twin_args(parser: argparse.ArgumentParser) -> None:
                        default=defaults.quantize_lm_head,
                        help="Steps that exited also use a quantized copy of the LM head (the backbone keeps its own; "
                             "default: on).")
-    group.add_argument("--lm-head-nbits", type=head_nbits_arg, default=defaults.lm_head_nbits, metavar="N",
+    group.add_argument("--lm-head-nbits", type=head_nbits_arg, metavar="N",
+                       default=defaults.lm_head_nbits if head_nbits_note is None else None,
                        help="Bits of the quantized LM head, or 'auto': 4 bits with its top logits recomputed "
-                            "exactly, 8 where it runs on int8 activations (default: %(default)s).")
+                            "exactly, 8 where it runs on int8 activations "
+                            f"({head_nbits_note or 'default: %(default)s'}).")
     group.add_argument("--group-size", type=group_size_arg, default=64, metavar="N",
                        help="HQQ quantization group size, or 'none' for one group per row (default: %(default)s).")
     group.add_argument("--start-layer", type=positive_int, default=1, metavar="L",
@@ -254,10 +258,12 @@ def add_twin_args(parser: argparse.ArgumentParser) -> None:
 
 
 def twin_config(args: argparse.Namespace) -> RiverQuantConfig:
+    """The RiverQuantConfig of the twin options (an `--lm-head-nbits` left to the command, None: the default)."""
+    head_nbits = RiverQuantConfig().lm_head_nbits if args.lm_head_nbits is None else args.lm_head_nbits
     with user_errors():
         return RiverQuantConfig(nbits=args.nbits, group_size=args.group_size, start_layer=args.start_layer,
                                 backend=args.backend, quantize_lm_head=args.quantize_lm_head,
-                                lm_head_nbits=args.lm_head_nbits, activations=args.activations,
+                                lm_head_nbits=head_nbits, activations=args.activations,
                                 lm_head_activations=_head_activations(args.lm_head_activations),
                                 lm_head_exact_top_k=args.lm_head_exact_top_k)
 
