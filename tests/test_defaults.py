@@ -95,6 +95,31 @@ def test_lm_head_nbits_auto_is_4_bits_unless_the_head_takes_w8a8_or_the_backend_
         RiverQuantConfig(lm_head_nbits="eight")
 
 
+
+def test_a_saved_4_bit_head_loaded_for_w8a8_is_quantized_again_at_8_bits(tmp_path, hqq_calls):
+    """A river saved with the default head (4-bit) and loaded with `lm_head_activations="int8"` (a loading field):
+    'auto' now means the 8-bit W8A8 head, which the file does not hold. A TwinsMismatchWarning names the bits, the
+    head alone is quantized again, at 8 bits per row, and the twins still come from the file."""
+    from transformers import AutoModelForCausalLM
+
+    from river_hf.saving.twin_files import TwinsMismatchWarning
+
+    backbone, river = str(tmp_path / "backbone"), str(tmp_path / "river")
+    tiny_model("llama").save_pretrained(backbone)
+    AutoModelForCausalLM.from_pretrained(backbone, quantization_config=RiverQuantConfig(backend="auto")
+                                         ).save_pretrained(river)
+    hqq_calls[0] = 0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantization_config.* from the model will be used")
+        with pytest.warns(TwinsMismatchWarning, match="LM head: `lm_head_nbits`: 4 stored, 8 asked"):
+            loaded = AutoModelForCausalLM.from_pretrained(
+                river, quantization_config=RiverQuantConfig(backend="auto", lm_head_activations="int8"))
+    head = loaded.get_output_embeddings().quantized_head
+    assert (head.nbits, head.group_size, head.backend) == (8, None, "w8a8_cpu") and hqq_calls[0] == 1
+    ids = torch.tensor([[3, 17, 42, 8]])
+    assert loaded.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 8)
+
+
 # ---- tau='auto' --------------------------------------------------------------------------------------------------
 def test_where_exiting_pays_auto_is_the_signals_measured_tau(measured, prompt_ids):
     calls = measured(PAYS)
