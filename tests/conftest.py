@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import importlib.util
 import os
 import tempfile
@@ -363,4 +364,13 @@ def save_tiny_model(path, chat_template: str | None = CHAT_TEMPLATE, num_layers:
                        pad_token_id=None)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return str(path)
+
+
+QUESTIONS = ["what is two plus three?", "hello world", "the answer is five"]
+
+
+def write_questions(path, questions=QUESTIONS, field: str = "question") -> str:
+    """A JSONL prompt file (one {field: question} per line, what `--data` reads) at `path`; returns its path."""
+    path.write_text("".join(json.dumps({field: q}) + "\n" for q in questions))
     return str(path)

@@ -6,7 +6,6 @@ import contextlib
 import io
 import json
 import statistics
-import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -14,7 +13,6 @@ import pytest
 import torch
 
 import river_hf
-from river_hf.bench import data as bench_data
 from river_hf.bench.plots import pareto_front
 from river_hf.bench.report import versus_random
 from river_hf.bench.run import FULL, QUICK, SCHEMA, BenchSettings
@@ -22,18 +20,11 @@ from river_hf.bench.systems import SMOLLM2_TAUS, default_taus, river_taus, stati
 from river_hf.cli import build_parser, main
 from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 
-from conftest import tiny_model
-from conftest import save_tiny_model
+from conftest import QUESTIONS, save_tiny_model, tiny_model, write_questions
 
 NUM_LAYERS = 4
 PROMPTS, ROUNDS, TOKENS = 2, 1, 6
-QUESTIONS = ["what is two plus three?", "hello world", "the answer is five"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def write_questions(path, questions=QUESTIONS, field="question"):
-    path.write_text("".join(json.dumps({field: q}) + "\n" for q in questions))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -335,53 +326,6 @@ def test_quick_preset_and_overrides():
 def test_pareto_front_keeps_the_undominated_points():
     points = [(1.0, 1.0), (0.8, 1.8), (0.9, 1.4), (0.85, 1.2), (0.9, 1.3)]
     assert pareto_front(points) == [(0.8, 1.8), (0.9, 1.4), (1.0, 1.0)]
-
-
-# ---- prompts ----------------------------------------------------------------------------------------------------
-def test_prompts_from_a_jsonl_with_question_or_prompt(tmp_path):
-    path = write_questions(tmp_path / "p.jsonl", ["a", "b", "c"], field="prompt")
-    assert bench_data.load_prompts(2, data=path).prompts == ["a", "b"]
-
-
-def test_gsm8k_is_found_through_the_environment(tmp_path, monkeypatch):
-    (tmp_path / "gsm8k").mkdir()
-    write_questions(tmp_path / "gsm8k" / "train.jsonl", ["q1", "q2"])
-    monkeypatch.setenv(bench_data.DATA_ENV, str(tmp_path))
-    found = bench_data.load_prompts(5, split="train")
-    assert found.prompts == ["q1", "q2"] and found.source == str(tmp_path / "gsm8k" / "train.jsonl")
-
-
-def test_the_packaged_gsm8k_needs_nothing_beside_the_package(monkeypatch):
-    monkeypatch.delenv(bench_data.DATA_ENV, raising=False)
-    test, train = bench_data.load_prompts(3), bench_data.load_prompts(3, split="train")
-    assert test.source == str(bench_data.PACKAGED_DATA / "gsm8k" / "test.jsonl") and len(test.prompts) == 3
-    assert train.prompts[0] != test.prompts[0]  # calibration's split is not the bench's
-    assert (bench_data.PACKAGED_DATA / "gsm8k" / "LICENSE").read_text().startswith("MIT License")
-
-
-def test_missing_gsm8k_says_where_it_looked(tmp_path, monkeypatch):
-    monkeypatch.setenv(bench_data.DATA_ENV, str(tmp_path))
-    monkeypatch.setattr(bench_data, "PACKAGED_DATA", tmp_path / "package")
-    with pytest.raises(ValueError, match="RIVER_HF_DATA.*`--data`"):
-        bench_data.load_prompts(2)
-
-
-def test_hub_dataset_without_datasets_is_a_clear_error(monkeypatch):
-    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ModuleNotFoundError
-    with pytest.raises(ValueError, match="needs datasets, which is not installed here"):
-        bench_data.load_prompts(2, dataset="openai/gsm8k:main")
-
-
-@pytest.mark.parametrize("lines, message", [
-    (['{"answer": 3}'], "has no string field 'question' or 'prompt'"),
-    (["not json"], "is not JSON"),
-    (["[1, 2]"], "is not a JSON object"),
-])
-def test_bad_prompt_files(tmp_path, lines, message):
-    path = tmp_path / "bad.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(ValueError, match=message):
-        bench_data.load_prompts(2, data=str(path))
 
 
 # ---- bad arguments are usage errors, before any model loads ------------------------------------------------------

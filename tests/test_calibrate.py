@@ -16,18 +16,10 @@ from river_hf.cli import main
 from river_hf.loading.models import build_chat_inputs, load_model_and_tokenizer
 from river_hf import RiverSettings
 
-from conftest import save_tiny_model
+from conftest import QUESTIONS, save_tiny_model, write_questions
 
 TOKENS = 12
 TWINS = ("--nbits", "4", "--no-quantize-lm-head")  # 4-bit twins miss tokens on the tiny model; 8-bit ones do not
-QUESTIONS = ["what is two plus three?", "hello world", "the answer is five"]
-
-
-def write_questions(path) -> str:
-    path.write_text("".join(json.dumps({"question": q}) + "\n" for q in QUESTIONS))
-    return str(path)
-
-
 def step_measure(threshold: float, low: float = 0.85, high: float = 0.99):
     """A synthetic system: match jumps from `low` to `high` at `threshold`; depth grows with tau."""
     def measure(tau: float) -> Probe:

@@ -21,15 +21,16 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, strategies as st
+from hypothesis import given, strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from river_hf import RiverQuantConfig, UnsupportedModelError, build_river, remove_river
 
-from test_fuzz_configs import (ARCHS, LAYERS, NBITS, assert_unchanged, attempt, check_cases_ran, fuzz, names_field,
-                               one_thread, small_model, snapshot)
+from fuzz_support import (ARCHS, LAYERS, assert_unchanged, attempt, check_cases_ran, fuzz, names_field, one_thread,
+                          small_model, snapshot)
+from test_fuzz_configs import NBITS
 
 CASES: Counter = Counter()
 MIN_CASES = {"build": 55, "lookalikes": 20, "data_flip": 80, "header_flip": 140, "truncated": 50, "other_version": 50,

@@ -22,10 +22,10 @@ import river_hf
 from river_hf import (RiverCache, RiverConfig, RiverQuantConfig, RiverStaticCache, build_river, offload_backbone,
                       offloaded_layers, reload_backbone, remove_river)
 
-from test_fuzz_configs import (ARCHS, AUTO_TAU_SIGNALS, EITHER, HOSTILE, INVALID, LAYERS, NBITS, RIVER_BASE, SIGNALS,
-                               STRATEGIES, VALID, VALID_RIVER, assert_unchanged, attempt, check_cases_ran,
-                               check_outcome, fuzz, integral, names_field, one_thread, plain_int, river_verdict,
-                               small_model, snapshot, valid_histogram, valid_or_hostile)
+from fuzz_support import (ARCHS, EITHER, HOSTILE, INVALID, LAYERS, VALID, assert_unchanged, attempt, check_cases_ran,
+                          check_outcome, fuzz, integral, names_field, one_thread, plain_int, small_model, snapshot,
+                          valid_histogram, valid_or_hostile)
+from test_fuzz_configs import AUTO_TAU_SIGNALS, NBITS, RIVER_BASE, SIGNALS, STRATEGIES, VALID_RIVER, river_verdict
 
 CASES: Counter = Counter()
 MIN_CASES = {"generate_invalid": 140, "lookalikes": 35, "valid": 140, "offload": 75}
