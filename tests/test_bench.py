@@ -8,7 +8,6 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-import river_hf
 from river_hf import RiverConfig
 from river_hf.bench.fidelity import backbone_references, compare, measure_fidelity, teacher_forced_logits
 from river_hf.bench.speed import interleaved, median_rate

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import river_hf
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 from river_hf import RiverConfig, RiverSettings

@@ -18,7 +18,7 @@ from river_hf import RiverQuantConfig
 from river_hf.kernels import matmulnbits as ort_kernel
 from river_hf.kernels.choice import candidates
 from river_hf.kernels.machine import machine_identity
-from river_hf.kernels.registry import KERNELS, dequantize, runs
+from river_hf.kernels.registry import dequantize, runs
 from river_hf.kernels.backends import resolve_backend
 from river_hf.kernels.quantize import RiverQuantLinear
 
