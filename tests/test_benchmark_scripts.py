@@ -173,6 +173,21 @@ def test_shared_inputs_example_can_group_what_the_build_left_apart():
     assert result["forced_sets"] == 2 and "full-quant, every set grouped" in result["ms_per_token"]
 
 
+def test_stacked_siblings_script_times_the_river_stacked_and_not(capsys):
+    result = load_script("stacked_siblings").main(["--random-model", "tiny-test", "--prompts", "1", "--rounds", "1",
+                                                   "--max-new-tokens", "3"])
+    assert result["members"] == 5  # the one twin layer: q, k, v and gate, up
+    assert len(result["tokens_per_s"]) == 5 and all(rate > 0 for rate in result["tokens_per_s"].values())
+    assert result["same_tokens"] == {"river (tau 0.3), unstacked": 1.0, "full quantization, unstacked": 1.0}
+    assert "the compiled backbone" in capsys.readouterr().out
+
+
+def test_stacked_gemv_script_times_every_case():
+    medians = load_script("stacked_gemv").main(["--hidden", "128", "--outputs", "128,64,64", "--mlp", "128",
+                                                "--copies", "1", "--rounds", "2", "--warmup", "1"])
+    assert len(medians) == 8 and all(micros > 0 for micros in medians.values())
+
+
 def test_context_length_script_times_matches_and_weighs_both_systems(saved_tiny_model, tmp_path, capsys):
     record = load_script("context_length").main(["--model", str(saved_tiny_model), "--lengths", "16", "48",
                                                  "--new-tokens", "4", "--rounds", "1", "--tau", "-1",

@@ -60,9 +60,14 @@ def test_the_second_load_maps_the_packed_twins_and_gives_the_same_river(cache, t
     assert_same_river(second, saved)
     assert_same_river(second, first)
     linears = [m for m in second.modules() if isinstance(m, RiverQuantLinear)]
+    alone = [m for m in linears if m.siblings is None]
     data = glob.glob(os.path.join(cache, "*.bin"))[0]
-    assert all(m.scale.untyped_storage().nbytes() == os.path.getsize(data) for m in linears)  # mapped, not copied
-    assert all(m.qweight.data_ptr() % 64 == 0 for m in linears if "qweight" in m._buffers)  # the int8 kernel needs it
+    assert alone and all(m.scale.untyped_storage().nbytes() == os.path.getsize(data) for m in alone)  # mapped
+    # stacked siblings (q/k/v, gate/up: river_hf.kernels.shared_inputs) are views of their stack's concatenation
+    stacked = [m for m in linears if m.siblings is not None]
+    assert stacked and all(m.qweight.untyped_storage().data_ptr() == m.siblings.stacked.qweight.untyped_storage()
+                           .data_ptr() for m in stacked)
+    assert all(m.qweight.data_ptr() % 64 == 0 for m in alone if "qweight" in m._buffers)  # the int8 kernel needs it
 
 
 def test_the_packed_twins_survive_a_save_of_the_loaded_river(cache, tmp_path):

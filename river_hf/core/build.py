@@ -23,7 +23,7 @@ from .lm_head import RiverLMHead, install_lm_head, remove_lm_head
 from ..offload.backbone import reload_backbone
 from .current_pass import hook_passes
 from ..kernels.quantize import RiverQuantLinear
-from ..kernels.shared_inputs import fuse_shared_inputs
+from ..kernels.shared_inputs import fuse_shared_inputs, stack_siblings
 from ..saving.twin_files import fingerprint
 from ..saving.twin_loading import read_stored_twins
 
@@ -69,6 +69,7 @@ def build_river(model: nn.Module, quant_config: RiverQuantConfig | None = None, 
     for layer in wrapped:
         if layer.twin is not None:
             fuse_shared_inputs(layer.twin, quant_config)
+            stack_siblings(layer.twin, quant_config)
     if _runs_on_onnxruntime(wrapped, lm_head):
         ort_kernel.warn_if_openmp_spins()
     if stored is not None:

@@ -97,6 +97,10 @@ class RiverQuantLinear(nn.Module):
     """
 
     source_fingerprint = None  # a twin_files.SourceFingerprint; see the class docstring
+    # Set on the members of a sibling stack (river_hf.kernels.shared_inputs.StackedSiblings): their calls go through
+    # it, one GEMV for every member's rows; their own buffers are views of the stack's and still run alone.
+    siblings = None
+    sibling_index = 0
 
     def __init__(self, in_features: int, out_features: int, nbits: int, group_size: int | None, backend: str,
                  buffers: dict[str, torch.Tensor], bias: torch.Tensor | None = None):
@@ -188,6 +192,12 @@ class RiverQuantLinear(nn.Module):
         return codes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
+        if self.siblings is not None:
+            return self.siblings.output(self.sibling_index, x)
+        return self.compute(x)
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """This linear's own matmul, whether or not it is a member of a sibling stack."""
         kernel = self.kernel
         if kernel.device_type is not None and kernel.device_type != x.device.type:
             raise RuntimeError(f"RiverQuantLinear was packed for {kernel.device_type} ({self.backend!r}) but got "

@@ -1,5 +1,21 @@
-"""Twin linears that read the same input run as one `matmulnbits_cpu` call: attention's q/k/v projections, the MLP's
-gate/up projections.
+"""Twin linears that read the same input run as one call: attention's q/k/v projections, the MLP's gate/up
+projections. Two ways, by kernel:
+
+- **Stacked siblings** (`stack_siblings`, the CPU weight-only kernels int8pack, int4pack and dense): the members'
+  packed buffers, concatenated, are one [sum of N, K] twin linear, `StackedSiblings.stacked` (these kernels lay a
+  weight out row by row; that the stack computes each member's rows bit for bit is checked on a probe at build), and
+  each member keeps views of its rows, so nothing is stored twice and nothing is packed again. Why: at SmolLM2's size a 2-core CPU spends as much on a
+  GEMV call's fixed cost as on its bytes. Compiled, an 8-bit layer's q/k/v took 203 µs as three calls (int8pack
+  for q, dense for k and v) and 134 µs as one int8pack call, its gate/up 301 against 276; a 4-bit layer's q/k/v 201
+  against 109, gate/up 193 against 161 (benchmarks/scripts/stacked_gemv.py on a 2-core Ice Lake Xeon; ~3 ms of a
+  SmolLM2 step; docs/static-cache.md).
+  Stacked where every member already runs on one such kernel, and with `backend="fastest"` also where the members
+  run on different ones and the stacked shape timed faster than their kernels summed (by `TIE_MARGIN`; an 8-bit
+  layer's k/v, dense, join q on int8pack). Inside a captured step the members' calls
+  become one matmul and its split in the graph; dynamo sees the same input tensor go to each member.
+- **One MatMulNBits session** (`fuse_shared_inputs`, `activations="int8"`): the group below.
+
+The rest of this docstring is about the second; both share how a member finds its rows (`_input_key`).
 
 Why: each ONNX Runtime call costs time besides its matmul (the session run, waking its second thread), paid ~7
 times per layer and step. One call for q, k and v (and one for gate and up) pays it 4 times instead of 7. HF's
@@ -87,6 +103,138 @@ class GroupMember(OpaqueCall):
 
     def __reduce__(self):  # copied with the module: the copy's members share the copied group
         return GroupMember, (self.group, self.index)
+
+
+# Kernels whose packed buffers hold each output row apart, along dim 0 (`scales_and_zeros`: dim 1)
+ROW_STACKED_KERNELS = ("int8pack_cpu", "int8pack_fp32_cpu", "int4pack_cpu", "dense")
+_ROW_DIM = {"scales_and_zeros": 1}
+
+
+class StackedSiblings:
+    """Sibling twin linears' rows as one twin linear: the first member called with an input computes every member's
+    rows in one GEMV and keeps the others' parts for their calls with the same input; any other call computes
+    afresh, so every call order is exact. Eagerly the parts wait per thread, keyed by the input's storage and version
+    (as in `SharedInputGroup`); while dynamo traces a step, in `traced`, keyed by the traced tensor itself: the graph
+    holds one matmul and its split, and `traced` is None again once the last member took its part."""
+
+    def __init__(self, stacked: RiverQuantLinear, sizes: list[int]):
+        self.stacked, self.sizes = stacked, sizes
+        self.traced = None
+        self._pending = threading.local()
+
+    def __getstate__(self):  # deepcopy / pickle: nothing pending is copied
+        return {"stacked": self.stacked, "sizes": self.sizes, "traced": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _pending=threading.local())
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Member `index`'s rows of the stacked linear at x [..., K] (what the member computes alone, bit for bit)."""
+        tracing = torch.compiler.is_compiling()
+        key = x if tracing else _input_key(x)
+        pending = self.traced if tracing else getattr(self._pending, "parts", None)
+        if pending is not None and _same(pending[0], key, tracing) and pending[1][index] is not None:
+            parts = list(pending[1])
+            part, parts[index] = parts[index], None
+            kept = None if all(left is None for left in parts) else (pending[0], parts, x)
+        else:
+            parts = list(self.stacked(x).split(self.sizes, dim=-1))
+            part, parts[index] = parts[index], None
+            kept = (key, parts, x)  # x kept too: its storage cannot be reused by another tensor while it is a key
+        if tracing:
+            self.traced = kept
+        else:
+            self._pending.parts = kept
+        return part
+
+
+def _same(kept_key, key, tracing: bool) -> bool:
+    return kept_key is key if tracing else kept_key == key
+
+
+def stack_siblings(twin: nn.Module, quant_config) -> int:
+    """Stack each group of `twin`'s sibling linears where it pays (module docstring). Returns how many groups."""
+    stacked = 0
+    for parent, names in sibling_groups(twin):
+        members = [parent._modules[name] for name in names]
+        if any(m.siblings is not None or isinstance(m.kernel_inputs, GroupMember) for m in members):
+            continue
+        backend = _stack_backend(members, quant_config)
+        if backend is not None and _stack(parent, names, members, backend):
+            stacked += 1
+    return stacked
+
+
+def _stack_backend(members: list[RiverQuantLinear], quant_config) -> str | None:
+    """The kernel the stack runs on, or None where stacking does not pay (or cannot run)."""
+    if len({(m.bias is None) for m in members}) > 1:
+        return None
+    shared = {m.backend for m in members}
+    if len(shared) == 1:  # fewer calls of the same kernel: timed alone, hot in cache, a stack can look slower, but
+        # in a step whose weights stream from memory the call's fixed cost decides (module docstring)
+        return shared.pop() if shared <= set(ROW_STACKED_KERNELS) else None
+    if quant_config.backend != "fastest":
+        return None
+    first, activations = members[0], quant_config.activations
+    total = sum(member.out_features for member in members)
+    stacked = fastest_backend(first.nbits, first.group_size, total, first.in_features, first.scale.device,
+                              activations)
+    separate = [fastest_backend(m.nbits, m.group_size, m.out_features, m.in_features, m.scale.device, activations)
+                for m in members]
+    if stacked.backend not in ROW_STACKED_KERNELS or any(m.backend not in c.microseconds
+                                                         for m, c in zip(members, separate)):
+        return None
+    own = sum(choice.microseconds[member.backend] for member, choice in zip(members, separate))
+    return stacked.backend if stacked.microseconds[stacked.backend] * TIE_MARGIN <= own else None
+
+
+@torch.no_grad()
+def _stack(parent: nn.Module, names: tuple[str, ...], members: list[RiverQuantLinear], backend: str) -> bool:
+    """Put `members` (the linears `names` of `parent`) into one stack on `backend`; False, leaving them as they are,
+    where the stack does not compute each member's rows exactly (checked on a probe input)."""
+    members = [member if member.backend == backend else _repacked(member, backend) for member in members]
+    first, sizes = members[0], [member.out_features for member in members]
+    # the kernels' layouts keep rows apart: the stack's buffers are the members' own, concatenated (no repacking,
+    # so a river loaded from packed twins stays unpacked)
+    buffers = {name: torch.cat([member._buffers[name] for member in members], dim=_ROW_DIM.get(name, 0))
+               for name, tensor in first._buffers.items() if tensor is not None and name != "bias"}
+    bias = None if first.bias is None else torch.cat([member.bias for member in members])
+    stack = RiverQuantLinear(first.in_features, sum(sizes), first.nbits, first.group_size, backend, buffers, bias)
+    probe = torch.randn(2, first.in_features, generator=torch.Generator().manual_seed(0)).to(first.scale.device,
+                                                                                             torch.bfloat16)
+    if not all(torch.equal(part, member.compute(probe))
+               for part, member in zip(stack.compute(probe).split(sizes, dim=-1), members)):
+        return False
+    group = StackedSiblings(stack, sizes)
+    rows = {name: tensor.split(sizes, dim=_ROW_DIM.get(name, 0)) for name, tensor in stack._buffers.items()
+            if tensor is not None}
+    for index, (name, member) in enumerate(zip(names, members)):
+        # a member still runs alone (a call with another input): the few strided views (int4's scales) are copied
+        own = {key: parts[index] if parts[index].is_contiguous() else parts[index].contiguous()
+               for key, parts in rows.items()}
+        view = RiverQuantLinear(member.in_features, member.out_features, member.nbits, member.group_size, backend,
+                                {key: tensor for key, tensor in own.items() if key != "bias"}, own.get("bias"))
+        view.source_fingerprint = member.source_fingerprint
+        view.siblings, view.sibling_index = group, index
+        parent._modules[name] = view
+    return True
+
+
+def _repacked(member: RiverQuantLinear, backend: str) -> RiverQuantLinear:
+    """`member`'s codes packed for `backend` (a stack chosen by timing may run on another kernel than a member)."""
+    repacked = RiverQuantLinear.from_codes(member.codes(), member.scale, member.zero, member.bias, member.nbits,
+                                           member.group_size, backend)
+    repacked.source_fingerprint = member.source_fingerprint
+    return repacked
+
+
+def unstack(twin: nn.Module) -> int:
+    """Let every stacked member of `twin` run alone again, on its own rows (for A/B timings). Returns how many."""
+    members = [module for module in twin.modules()
+               if isinstance(module, RiverQuantLinear) and module.siblings is not None]
+    for member in members:
+        member.siblings = None
+    return len(members)
 
 
 def sibling_groups(module: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
