@@ -3,16 +3,16 @@ projections. Two ways, by kernel:
 
 - **Stacked siblings** (`stack_siblings`, the CPU weight-only kernels int8pack, int4pack and dense): the members'
   packed buffers, concatenated, are one [sum of N, K] twin linear, `StackedSiblings.stacked` (these kernels lay a
-  weight out row by row; that the stack computes each member's rows bit for bit is checked on a probe at build), and
-  each member keeps views of its rows, so nothing is stored twice and nothing is packed again. Why: at SmolLM2's size a 2-core CPU spends as much on a
-  GEMV call's fixed cost as on its bytes. Compiled, an 8-bit layer's q/k/v took 203 µs as three calls (int8pack
-  for q, dense for k and v) and 134 µs as one int8pack call, its gate/up 301 against 276; a 4-bit layer's q/k/v 201
-  against 109, gate/up 193 against 161 (benchmarks/scripts/stacked_gemv.py on a 2-core Ice Lake Xeon; ~3 ms of a
-  SmolLM2 step; docs/static-cache.md).
+  weight out row by row; that the stack computes each member's rows bit for bit is checked on a probe at build),
+  and each member keeps views of its rows, so nothing is stored twice and nothing is packed again. Why: at
+  SmolLM2's size a 2-core CPU spends as much on a GEMV call's fixed cost as on its bytes. Compiled, an 8-bit
+  layer's q/k/v took 203 µs as three calls (int8pack for q, dense for k and v) and 134 µs as one int8pack call, its
+  gate/up 301 against 276; a 4-bit layer's q/k/v 201 against 109, gate/up 193 against 161
+  (benchmarks/scripts/stacked_gemv.py on a 2-core Ice Lake Xeon: ~3 ms of a SmolLM2 step; docs/static-cache.md).
   Stacked where every member already runs on one such kernel, and with `backend="fastest"` also where the members
   run on different ones and the stacked shape timed faster than their kernels summed (by `TIE_MARGIN`; an 8-bit
-  layer's k/v, dense, join q on int8pack). Inside a captured step the members' calls
-  become one matmul and its split in the graph; dynamo sees the same input tensor go to each member.
+  layer's k/v, dense, join q on int8pack). Inside a captured step the members' calls become one matmul and its
+  split in the graph; dynamo sees the same input tensor go to each member.
 - **One MatMulNBits session** (`fuse_shared_inputs`, `activations="int8"`): the group below.
 
 The rest of this docstring is about the second; both share how a member finds its rows (`_input_key`).
