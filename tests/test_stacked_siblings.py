@@ -11,6 +11,7 @@ stacked shape did not time faster.
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -57,6 +58,26 @@ def test_members_compute_their_own_rows_bit_for_bit_in_any_order(nbits, group_si
     assert torch.equal(stacked.v_proj(x), alone.v_proj(x))
     assert all(torch.equal(member.compute(x), getattr(alone, name)(x)) for name, member in zip(NAMES, members))
     assert all(torch.equal(member.codes(), getattr(alone, name).codes()) for name, member in zip(NAMES, members))
+
+
+def test_threads_calling_the_members_at_once_get_their_own_rows():
+    stacked, alone = attention(4, 64, "int4pack_cpu"), attention(4, 64, "int4pack_cpu")
+    stack_siblings(stacked, RiverQuantConfig(backend="auto"))
+    inputs = [torch.randn(1, 1, 128, dtype=torch.bfloat16) for _ in range(4)]
+    expected = [[getattr(alone, name)(x) for name in NAMES] for x in inputs]
+    results = {}
+
+    def decode(index):
+        results[index] = [[getattr(stacked, name)(inputs[index]) for name in NAMES] for _ in range(100)]
+
+    threads = [threading.Thread(target=decode, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == [0, 1, 2, 3]
+    for index, runs in results.items():
+        assert all(torch.equal(got, want) for run in runs for got, want in zip(run, expected[index]))
 
 
 def test_members_are_views_of_the_stack_and_a_deep_copy_keeps_them_so():
