@@ -91,6 +91,17 @@ def test_members_are_views_of_the_stack_and_a_deep_copy_keeps_them_so():
     assert copy.deepcopy(module).q_proj.siblings is not module.q_proj.siblings
 
 
+def test_a_member_moved_or_cast_onto_new_buffers_runs_alone():
+    stacked, alone = attention(4, 32, "dense"), attention(4, 32, "dense")
+    stack_siblings(stacked, RiverQuantConfig(backend="auto"))
+    stacked.to("cpu")  # nothing changes: still stacked
+    assert all(getattr(stacked, name).siblings is not None for name in NAMES)
+    stacked.float()  # the dense bf16 weights become new float32 tensors; the stack keeps the old ones
+    x = torch.randn(1, 3, 128, dtype=torch.bfloat16)
+    assert all(getattr(stacked, name).siblings is None for name in NAMES)
+    assert all(torch.equal(getattr(stacked, name)(x), getattr(alone, name)(x)) for name in NAMES)
+
+
 @pytest.mark.parametrize("case", ["different kernels, not timed", "a bias on some members", "the hqq kernel"])
 def test_stacking_declines_where_members_cannot_share_a_kernel(case):
     module = {"different kernels, not timed": lambda: attention(backends=["int8pack_cpu", "dense", "dense"]),

@@ -131,7 +131,13 @@ class RiverQuantLinear(nn.Module):
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
         self._prepack()
+        if self.siblings is not None and not self._views_of(self.siblings.stacked):
+            self.siblings = None  # moved or cast onto new buffers: the stack (not a submodule) stayed; run alone
         return module
+
+    def _views_of(self, stack: "RiverQuantLinear") -> bool:
+        return all(self._buffers[name].untyped_storage().data_ptr() == stack._buffers[name].untyped_storage()
+                   .data_ptr() for name in ("qweight", "scale"))
 
     @classmethod
     @torch.no_grad()
