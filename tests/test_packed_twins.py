@@ -5,6 +5,7 @@ a load checks the backbone against: sampled fingerprints by default, whole diges
 from __future__ import annotations
 
 import glob
+import json
 import os
 import warnings
 
@@ -63,10 +64,14 @@ def test_the_second_load_maps_the_packed_twins_and_gives_the_same_river(cache, t
     alone = [m for m in linears if m.siblings is None]
     data = glob.glob(os.path.join(cache, "*.bin"))[0]
     assert alone and all(m.scale.untyped_storage().nbytes() == os.path.getsize(data) for m in alone)  # mapped
-    # stacked siblings (q/k/v, gate/up: river_hf.kernels.shared_inputs) are views of their stack's concatenation
+    # stacked siblings (q/k/v, gate/up: river_hf.kernels.shared_inputs): the stack kept as one, mapped, and the
+    # members views of it (nothing concatenated again at the load)
     stacked = [m for m in linears if m.siblings is not None]
-    assert stacked and all(m.qweight.untyped_storage().data_ptr() == m.siblings.stacked.qweight.untyped_storage()
+    assert stacked and all(m.siblings.stacked.qweight.untyped_storage().nbytes() == os.path.getsize(data)
+                           and m.qweight.untyped_storage().data_ptr() == m.siblings.stacked.qweight.untyped_storage()
                            .data_ptr() for m in stacked)
+    assert len({id(m.siblings) for m in stacked}) * 5 == len(stacked) * 2  # one stack of 3 per attention, of 2 per MLP
+    assert all(m.siblings.stacked.qweight.data_ptr() % 64 == 0 for m in stacked)
     assert all(m.qweight.data_ptr() % 64 == 0 for m in alone if "qweight" in m._buffers)  # the int8 kernel needs it
 
 
@@ -100,12 +105,18 @@ def test_a_flipped_byte_in_the_file_is_not_read_where_the_twins_are_kept_and_ful
         load(folder, verify_twins="full")
 
 
-def test_a_damaged_packed_entry_is_packed_again_under_full_verification(cache, tmp_path):
+@pytest.mark.parametrize("where", ["a lone linear", "a stack of siblings"])
+def test_a_damaged_packed_entry_is_packed_again_under_full_verification(cache, tmp_path, where):
     saved, folder = saved_river(tmp_path)
     without_hqq(AutoModelForCausalLM.from_pretrained, folder)
     data = glob.glob(os.path.join(cache, "*.bin"))[0]
+    with open(entries(cache)[0]) as file:
+        index = json.load(file)
+    entry = next(iter(index["stacks"].values())) if where == "a stack of siblings" else next(
+        entry for entry in index["linears"].values() if "buffers" in entry)
+    dtype, shape, offset, nbytes = entry["buffers"]["scale"][:4]
     with open(data, "r+b") as file:
-        file.seek(os.path.getsize(data) // 2)
+        file.seek(offset + nbytes // 2)
         byte = file.read(1)
         file.seek(-1, os.SEEK_CUR)
         file.write(bytes([byte[0] ^ 0x10]))

@@ -4,7 +4,8 @@ projections. Two ways, by kernel:
 - **Stacked siblings** (`stack_siblings`, the CPU weight-only kernels int8pack, int4pack and dense): the members'
   packed buffers, concatenated, are one [sum of N, K] twin linear, `StackedSiblings.stacked` (these kernels lay a
   weight out row by row; that the stack computes each member's rows bit for bit is checked on a probe at build),
-  and each member keeps views of its rows, so nothing is stored twice and nothing is packed again. Why: at
+  and each member keeps views of its rows, so nothing is stored twice (a saved river's next load on the machine
+  maps the stack its packed-twins cache kept: river_hf.saving.packed_cache, `stacked_members`). Why: at
   SmolLM2's size a 2-core CPU spends as much on a GEMV call's fixed cost as on its bytes. Compiled, an 8-bit
   layer's q/k/v took 203 µs as three calls (int8pack for q, dense for k and v) and 134 µs as one int8pack call, its
   gate/up 301 against 276; a 4-bit layer's q/k/v 201 against 109, gate/up 193 against 161
@@ -205,19 +206,28 @@ def _stack(parent: nn.Module, names: tuple[str, ...], members: list[RiverQuantLi
     if not all(torch.equal(part, member.compute(probe))
                for part, member in zip(stack.compute(probe).split(sizes, dim=-1), members)):
         return False
+    for name, member, view in zip(names, members, stacked_members(stack, sizes)):
+        view.source_fingerprint = member.source_fingerprint
+        parent._modules[name] = view
+    return True
+
+
+def stacked_members(stack: RiverQuantLinear, sizes: list[int]) -> list[RiverQuantLinear]:
+    """The members of `stack`, whose out_features are `sizes` in order: each a twin linear on its rows of the stack's
+    buffers, whose calls the stack answers (`StackedSiblings`)."""
     group = StackedSiblings(stack, sizes)
     rows = {name: tensor.split(sizes, dim=_ROW_DIM.get(name, 0)) for name, tensor in stack._buffers.items()
             if tensor is not None}
-    for index, (name, member) in enumerate(zip(names, members)):
+    members = []
+    for index, size in enumerate(sizes):
         # a member still runs alone (a call with another input): the few strided views (int4's scales) are copied
         own = {key: parts[index] if parts[index].is_contiguous() else parts[index].contiguous()
                for key, parts in rows.items()}
-        view = RiverQuantLinear(member.in_features, member.out_features, member.nbits, member.group_size, backend,
-                                {key: tensor for key, tensor in own.items() if key != "bias"}, own.get("bias"))
-        view.source_fingerprint = member.source_fingerprint
-        view.siblings, view.sibling_index = group, index
-        parent._modules[name] = view
-    return True
+        bias = own.pop("bias", None)
+        member = RiverQuantLinear(stack.in_features, size, stack.nbits, stack.group_size, stack.backend, own, bias)
+        member.siblings, member.sibling_index = group, index
+        members.append(member)
+    return members
 
 
 def _repacked(member: RiverQuantLinear, backend: str) -> RiverQuantLinear:

@@ -5,7 +5,8 @@ Why a cache and not a file beside the checkpoint: the packed layout is not porta
 depends on the CPU's instruction set, 'fastest' picks kernels per machine), so the twins file keeps HQQ's codes and
 each machine keeps its own packing, under `<cache folder>/packed_twins/`:
 - `<key>.json`: the index (per stored linear: its kernel, bits, shape and each buffer's dtype, shape, offset and
-  checksum);
+  checksum; a stacked sibling (river_hf.kernels.shared_inputs): its stack and place in it, the stack kept once, so
+  a load maps the stack and its members' views and stacks nothing again);
 - `<key>-<nonce>.bin`: the buffers, each at a 64-byte aligned offset. It is memory-mapped copy-on-write
   (`torch.UntypedStorage.from_file`): nothing is read at load, pages come in as the twins first run, and the int8
   kernel gets the alignment it needs (it crashes on a weight that is not 16-byte aligned, torch 2.13).
@@ -32,9 +33,10 @@ import torch
 from ..cache_folder import cache_root, write_json_atomically
 from ..kernels.machine import machine_identity
 from ..kernels.quantize import RiverQuantLinear
+from ..kernels.shared_inputs import stacked_members
 from .integrity import checksum
 
-PACKED_VERSION = 1  # bump when what a buffer means changes: older entries are then never read
+PACKED_VERSION = 2  # bump when what a buffer means changes: older entries are then never read
 SUBFOLDER = "packed_twins"
 MAX_ENTRIES = 4  # saved rivers whose packing is kept (an 8B river's is a few GB)
 _ALIGN = 64
@@ -56,13 +58,23 @@ class PackedTwins:
 
     def __init__(self, index: dict, whole: torch.Tensor):
         self.index, self.whole = index, whole
+        self._members: dict[str, list[RiverQuantLinear]] = {}  # stack name -> its members, mapped once
 
     def __contains__(self, key: str) -> bool:
         return key in self.index["linears"]
 
     def linear(self, key: str) -> RiverQuantLinear:
-        """The twin linear stored under `key`, on CPU, its buffers views of the mapped file."""
+        """The twin linear stored under `key`, on CPU, its buffers views of the mapped file (a stacked sibling: of its
+        stack's rows, the stack answering its calls)."""
         entry = self.index["linears"][key]
+        if "stack" not in entry:
+            return self._linear(entry)
+        if entry["stack"] not in self._members:
+            stack = self.index["stacks"][entry["stack"]]
+            self._members[entry["stack"]] = stacked_members(self._linear(stack), stack["sizes"])
+        return self._members[entry["stack"]][entry["index"]]
+
+    def _linear(self, entry: dict) -> RiverQuantLinear:
         buffers = {name: self._tensor(spec) for name, spec in entry["buffers"].items()}
         bias = buffers.pop("bias", None)
         return RiverQuantLinear(entry["in_features"], entry["out_features"], entry["nbits"], entry["group_size"],
@@ -74,8 +86,9 @@ class PackedTwins:
 
     def damaged_buffers(self) -> list[str]:
         """The buffers whose bytes do not match their recorded checksum (reads the whole entry)."""
-        return [f"{key}.{name}" for key, entry in self.index["linears"].items()
-                for name, spec in entry["buffers"].items() if checksum(self._tensor(spec)) != spec[4]]
+        entries = {**self.index["linears"], **self.index["stacks"]}
+        return [f"{key}.{name}" for key, entry in entries.items()
+                for name, spec in entry.get("buffers", {}).items() if checksum(self._tensor(spec)) != spec[4]]
 
 
 def read_packed(key: str, verify: str) -> PackedTwins | None:
@@ -115,10 +128,18 @@ def write_packed(key: str, linears: dict[str, RiverQuantLinear]) -> None:
     partial = os.path.join(folder, f".{data_name}.partial")
     try:
         os.makedirs(folder, exist_ok=True)
-        index = {"version": PACKED_VERSION, "data_file": data_name, "linears": {}}
+        index = {"version": PACKED_VERSION, "data_file": data_name, "linears": {}, "stacks": {}}
+        stacks: dict[int, str] = {}  # id(StackedSiblings) -> its name in the index
         with open(partial, "wb") as file:
             for name, linear in linears.items():
-                index["linears"][name] = _write_linear(file, linear)
+                if linear.siblings is None:
+                    index["linears"][name] = _write_linear(file, linear)
+                    continue
+                group = linear.siblings
+                if id(group) not in stacks:
+                    stacks[id(group)] = f"stack{len(stacks)}"
+                    index["stacks"][stacks[id(group)]] = {**_write_linear(file, group.stacked), "sizes": group.sizes}
+                index["linears"][name] = {"stack": stacks[id(group)], "index": linear.sibling_index}
             index["data_bytes"] = file.tell()
         os.replace(partial, os.path.join(folder, data_name))
         write_json_atomically(os.path.join(folder, f"{key}.json"), index)

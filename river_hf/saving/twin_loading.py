@@ -44,6 +44,7 @@ class StoredTwins:
         self._tensors = tensors
         self._packed: dict = {}  # (backend, activations) -> the cache entry read (or None)
         self._newly_packed: dict[tuple, dict[str, RiverQuantLinear]] = {}  # what this load packed, to keep
+        self._placed: dict[str, tuple[nn.Module, str]] = {}  # stored key -> (twin, path): where it was put
 
     @classmethod
     def read(cls, path: str | os.PathLike, quant_config=None) -> "StoredTwins":
@@ -128,8 +129,17 @@ class StoredTwins:
         for asked, linears in self._newly_packed.items():
             kept = self._packed.get(asked)
             found = {} if kept is None else {key: kept.linear(key) for key in kept.index["linears"]}
-            write_packed(entry_key(self.record_key, *asked), {**found, **linears})
+            write_packed(entry_key(self.record_key, *asked),
+                         {**found, **{key: self._now(key, linear) for key, linear in linears.items()}})
         self._newly_packed.clear()
+        self._placed.clear()
+
+    def _now(self, key: str, packed: RiverQuantLinear) -> RiverQuantLinear:
+        """What stands where the linear packed for `key` was put: the build may since have stacked it with its
+        siblings (river_hf.kernels.shared_inputs), and the stack is what the next load should map."""
+        twin, path = self._placed.get(key, (None, None))
+        now = None if twin is None else twin.get_submodule(path)
+        return now if isinstance(now, RiverQuantLinear) else packed
 
     @classmethod
     def next_to(cls, checkpoint_files: list[str] | None, quant_config=None) -> "StoredTwins | None":
@@ -190,6 +200,7 @@ class StoredTwins:
         for name, (path, linear) in quantized.items():
             twin.set_submodule(path, self._linear(stored["linears"][name], linear, quant_config,
                                                   quant_config.activations))
+            self._placed[stored["linears"][name]["key"]] = (twin, path)
         return twin
 
     def _linear(self, entry: dict, source: nn.Linear, quant_config, activations: str | None) -> RiverQuantLinear:
