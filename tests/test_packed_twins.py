@@ -21,8 +21,8 @@ from river_hf.saving import packed_cache, twin_files, twin_loading
 from river_hf.saving.integrity import SAMPLED_LAYOUT, digest, sampled_digest, sampled_layout
 from river_hf.saving.twin_files import TWINS_FILE, StoredTwinsError, TwinsMismatchWarning
 
-from test_saved_river import (MIXED_SCHEDULE, assert_same_river, corrupt, loaded_river, saved_backbone, saved_river,
-                              without_hqq)
+from test_saved_river import (BASE, MIXED_SCHEDULE, assert_same_river, corrupt, loaded_river, saved_backbone,
+                              saved_river, without_hqq)
 
 
 @pytest.fixture
@@ -73,6 +73,26 @@ def test_the_second_load_maps_the_packed_twins_and_gives_the_same_river(cache, t
     assert len({id(m.siblings) for m in stacked}) * 5 == len(stacked) * 2  # one stack of 3 per attention, of 2 per MLP
     assert all(m.siblings.stacked.qweight.data_ptr() % 64 == 0 for m in stacked)
     assert all(m.qweight.data_ptr() % 64 == 0 for m in alone if "qweight" in m._buffers)  # the int8 kernel needs it
+
+
+def test_two_rivers_built_from_one_stored_twins_share_no_module(cache, tmp_path):
+    """A StoredTwins handed to build_river twice maps the kept stacks for each river anew: moving one river's twins
+    (a module shared between them would move the other's) leaves the other as it was."""
+    saved, folder = saved_river(tmp_path, **MIXED_SCHEDULE)
+    without_hqq(AutoModelForCausalLM.from_pretrained, folder)  # packs and keeps
+    config = RiverQuantConfig(**{**BASE, **MIXED_SCHEDULE})
+    stored = twin_loading.StoredTwins.read(folder, config)
+    backbone = saved_backbone(tmp_path)
+    with pytest.MonkeyPatch.context() as patch:  # every twin mapped from the kept entry
+        patch.setattr(RiverQuantLinear, "from_codes", classmethod(lambda *a, **k: pytest.fail("packed from codes")))
+        rivers = [without_hqq(river_hf.build_river, AutoModelForCausalLM.from_pretrained(backbone), config,
+                              progress=False, stored_twins=stored) for _ in range(2)]
+    twin_modules = [{id(m) for m in river.modules() if isinstance(m, RiverQuantLinear)} for river in rivers]
+    assert twin_modules[0] and not twin_modules[0] & twin_modules[1]
+    stacks = [{id(m.siblings) for m in river.modules() if isinstance(m, RiverQuantLinear) and m.siblings is not None}
+              for river in rivers]
+    assert stacks[0] and not stacks[0] & stacks[1]
+    assert_same_river(rivers[1], saved)
 
 
 def test_the_packed_twins_survive_a_save_of_the_loaded_river(cache, tmp_path):

@@ -58,7 +58,7 @@ class PackedTwins:
 
     def __init__(self, index: dict, whole: torch.Tensor):
         self.index, self.whole = index, whole
-        self._members: dict[str, list[RiverQuantLinear]] = {}  # stack name -> its members, mapped once
+        self._members: dict[str, tuple[list, set]] = {}  # stack name -> (its members, the indices handed out)
 
     def __contains__(self, key: str) -> bool:
         return key in self.index["linears"]
@@ -69,10 +69,14 @@ class PackedTwins:
         entry = self.index["linears"][key]
         if "stack" not in entry:
             return self._linear(entry)
-        if entry["stack"] not in self._members:
-            stack = self.index["stacks"][entry["stack"]]
-            self._members[entry["stack"]] = stacked_members(self._linear(stack), stack["sizes"])
-        return self._members[entry["stack"]][entry["index"]]
+        name, index = entry["stack"], entry["index"]
+        members, handed = self._members.get(name, (None, set()))
+        if members is None or index in handed:  # each member handed out once: another river gets modules of its own
+            stack = self.index["stacks"][name]
+            members, handed = stacked_members(self._linear(stack), stack["sizes"]), set()
+            self._members[name] = (members, handed)
+        handed.add(index)
+        return members[index]
 
     def _linear(self, entry: dict) -> RiverQuantLinear:
         buffers = {name: self._tensor(spec) for name, spec in entry["buffers"].items()}
