@@ -150,7 +150,7 @@ def step_split(model, inputs: dict, config, tokens: int, repeats: int = 3) -> di
     prompt's share cancels. The profiler adds a few µs per op, more to eager systems (many ops) than captured ones.
     Each generate runs `repeats` times and each part keeps its fastest: one run descheduled inside a matmul (a 2-core
     CI machine did it for ~110 ms) would otherwise make the one-token run outweigh the long one."""
-    full, one = (_fastest_parts([_profiled_generate(model, inputs, config, n) for _ in range(repeats)])
+    full, one = (_fastest_parts([profiled_generate(model, inputs, config, n) for _ in range(repeats)])
                  for n in (tokens, 1))
     return {part: (full[part] - one[part]) / (tokens - 1) for part in full}
 
@@ -161,7 +161,8 @@ def _fastest_parts(runs: list[dict]) -> dict:
     return {**fastest, "rest": fastest["total"] - fastest["matmuls"] - fastest["attention"]}
 
 
-def _profiled_generate(model, inputs: dict, config, new_tokens: int) -> dict:
+def profiled_generate(model, inputs: dict, config, new_tokens: int) -> dict:
+    """One generate of `new_tokens` under torch.profiler: ms in matmul ops, attention ops, the rest, and wall total."""
     config = copy.deepcopy(config)
     config.max_new_tokens = config.min_new_tokens = new_tokens  # a static cache keeps its longer length: no recompile
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
