@@ -175,6 +175,25 @@ def test_compile_config_for_each_device():
     assert not cuda._compile_all_devices and cuda.mode == CompileConfig().mode
 
 
+@pytest.mark.parametrize("cache_dir, warned", [(None, True), ("own", False)])
+def test_a_capability_override_into_the_shared_inductor_cache_is_warned(cache_dir, warned, monkeypatch, tmp_path):
+    """ATEN_CPU_CAPABILITY changes inductor's vector ISA but not its cache key (torch 2.13): compiling a river's steps
+    with it set and no cache folder of the run's own warns, naming TORCHINDUCTOR_CACHE_DIR; with one, nothing."""
+    import warnings
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    if cache_dir is None:
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = river_of(tiny_model())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.get_compiled_call(cpu_compile())
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert any("TORCHINDUCTOR_CACHE_DIR" in message for message in messages) == warned
+
+
 def test_captured_random_steps_one_graph_per_depth(prompt_ids, fresh_dynamo):
     model = river_of(tiny_model(), start_layer=3)
     counter = GraphCounter()

@@ -24,9 +24,11 @@ slower than eager ones on a CPU (0.76-0.94x; the whole step compiled: 1.20-1.26x
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
@@ -67,6 +69,20 @@ def compile_config_for(device) -> CompileConfig:
     config = CompileConfig(mode="default")
     config._compile_all_devices = True  # transformers' own switch; it compiles on CUDA-like devices only by default
     return config
+
+
+def warn_shared_inductor_cache(device) -> None:
+    """Warn when CPU steps compile under an `ATEN_CPU_CAPABILITY` override into inductor's default on-disk cache.
+    torch 2.13 picks inductor's vector ISA from that variable but does not key its FX graph cache on it, so a graph
+    generated for AVX-512 and found there by an AVX2-dispatch run is built with AVX2 flags: wrong values or a crash
+    (benchmarks/icelake.md). A cache folder of the run's own (TORCHINDUCTOR_CACHE_DIR) avoids it."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if torch.device(device).type != "cpu" or not capability or os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return
+    warnings.warn(f"river: ATEN_CPU_CAPABILITY={capability} is set and the compiled steps use inductor's default "
+                  f"cache folder, which torch does not key on that variable: a graph cached by a run under another "
+                  f"capability can compute wrong values or crash here. Set TORCHINDUCTOR_CACHE_DIR to a folder of "
+                  f"this capability's own.", RuntimeWarning, stacklevel=3)
 
 
 def check_static_river(model, settings, implementation: str | None) -> None:

@@ -18,7 +18,7 @@ from transformers.utils import ModelOutput
 
 from .kv_cache import ExitRecord, RiverCache, RiverRun
 from .captured_decode import (STATIC_IMPLEMENTATIONS, CapturedDecode, check_passed_static_cache, check_static_river,
-    requested_setting, static_cache_settings, static_river_cache)
+    requested_setting, static_cache_settings, static_river_cache, warn_shared_inductor_cache)
 from .config import RiverQuantConfig
 from .twins import backbone_layers, river_layers, get_river, twins_prefill_faster
 from .lm_head import original_lm_head
@@ -172,6 +172,7 @@ class RiverGenerationMixin:
     def get_compiled_call(self, compile_config):
         # transformers' compiled decode step (its torch.compile of __call__), steered per step onto the graph of the
         # step's planned exit depth (river_hf.core.captured_decode)
+        warn_shared_inductor_cache(self.device)
         return CapturedDecode(self, super().get_compiled_call(compile_config))
 
     def save_pretrained(self, save_directory, *args, save_twins: bool | None = None, **kwargs):
