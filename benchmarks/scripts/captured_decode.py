@@ -9,6 +9,7 @@ backbone.
     python benchmarks/scripts/captured_decode.py --profile                # + where a decoded token's time goes
     python benchmarks/scripts/captured_decode.py --skip-module-guards     # compiled without nn.Module guards
     python benchmarks/scripts/captured_decode.py --cpp-wrapper            # inductor's C++ wrapper, every system
+    python benchmarks/scripts/captured_decode.py --fidelity-only --backend auto   # the rivers' match alone
 
 Systems, each one `generate` call per prompt, interleaved after a warm-up that pays the compilation (its seconds are
 printed): the backbone eager (dynamic cache) and compiled (transformers' `cache_implementation="static"` with its
@@ -101,6 +102,10 @@ def main(argv=None) -> dict:
                         help="the twins' precision, as RiverQuantConfig(nbits=...) (default: auto)")
     parser.add_argument("--start-layer", type=int, default=None,
                         help="RiverQuantConfig(start_layer=...): backbone layers every token runs (default: its own)")
+    parser.add_argument("--backend", default=None,
+                        help="RiverQuantConfig(backend=...): the twins' kernels (default: 'fastest', timed per shape)")
+    parser.add_argument("--fidelity-only", action="store_true",
+                        help="only the rivers' teacher-forced match (no timing, nothing compiled)")
     parser.add_argument("--activations", choices=["int8"], default=None,
                         help="RiverQuantConfig(activations='int8'): 8-bit twins and head may run on W8A8")
     parser.add_argument("--lm-head-activations", choices=["int8"], default=None,
@@ -122,6 +127,11 @@ def main(argv=None) -> dict:
     prompts = [build_chat_inputs(tokenizer, text) for text in CHAT + load_prompts(args.gsm8k).prompts]
     prompts = [{key: value.to(args.device) for key, value in inputs.items()} for inputs in prompts]
     configs = systems(args)
+    if args.fidelity_only:
+        fidelity = teacher_forced_match(model, prompts, configs, args.fidelity_tokens or 64)
+        print(f"CPU {torch.backends.cpu.get_cpu_capability()}, backend {quant_config.backend}: teacher-forced match "
+              + ", ".join(f"{name} {match:.1%}" for name, match in fidelity.items()))
+        return fidelity
     warm_up = {}
     for name, config in configs.items():  # the compiled systems compile here
         started = time.perf_counter()
@@ -192,8 +202,8 @@ def start_layer(args) -> dict:
 
 
 def kernel_settings(args) -> dict:
-    """The kernels' activation settings asked on the command line."""
-    asked = {"activations": args.activations, "lm_head_activations": args.lm_head_activations}
+    """The kernel settings asked on the command line (backend, activations)."""
+    asked = {"activations": args.activations, "lm_head_activations": args.lm_head_activations, "backend": args.backend}
     return {name: value for name, value in asked.items() if value is not None}
 
 
