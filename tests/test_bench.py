@@ -118,3 +118,25 @@ def test_bench_compiled_times_the_captured_defaults_against_the_compiled_backbon
     assert captured["summary"]["ratio_vs_compiled_backbone"] > 0
     assert captured["fidelity"]["match"] is not None  # its settings' teacher-forced match, as the eager defaults'
     assert records[systems.COMPILED_BACKBONE]["summary"]["ratio_vs_compiled_backbone"] == pytest.approx(1.0)
+
+
+def test_interleaved_warms_up_at_the_longest_prompt_so_no_timed_run_compiles():
+    """A compiled static-cache system compiles again when a longer prompt grows the cache: the warm-up runs the
+    longest prompt, so the timed runs (a short prompt first) find every graph made."""
+    from test_static_cache import GraphCounter, cpu_compile
+
+    torch._dynamo.reset()
+    model = river_of(tiny_model(), start_layer=1)
+    counter = GraphCounter()
+    prompts = [{"input_ids": torch.randint(3, 256, (1, n))} for n in (4, 12)]
+    fixed = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static",
+                 compile_config=cpu_compile(counter.backend))
+    systems = {"backbone": GenerationConfig(**fixed), "river": RiverConfig(tau=-1, exit_signal="confidence", **fixed)}
+    warmed = {}
+
+    def after_each_run(_):
+        warmed.setdefault("graphs", counter.frame_count)
+
+    interleaved(model, systems, prompts, rounds=1, progress=after_each_run)
+    torch._dynamo.reset()
+    assert counter.frame_count == warmed["graphs"] > 0  # nothing compiled after the first timed run

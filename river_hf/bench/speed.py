@@ -91,6 +91,13 @@ def time_generate(model, inputs: dict, generation_config, profile: bool = False)
         layer_seconds=dict(cache.seconds) if river else None)
 
 
+def longest_prompt(prompts: list[dict]) -> dict:
+    """The prompt to warm up on: a static cache sized for the longest call serves every shorter one, so compiled
+    systems compile there and not inside a timed run (transformers keeps the longest length a model's static cache
+    has had, and a longer one recompiles every captured graph)."""
+    return max(prompts, key=lambda inputs: inputs["input_ids"].shape[-1])
+
+
 def interleaved(model, systems: dict, prompts: list[dict], rounds: int = 2, progress=None,
                 models: dict | None = None, profile: bool = False) -> dict[str, list[Timing]]:
     """Time every system (name -> generation config) on every prompt, after one warm-up pass, in the order
@@ -99,8 +106,9 @@ def interleaved(model, systems: dict, prompts: list[dict], rounds: int = 2, prog
     `models` (name -> model) runs a system on a model of its own (e.g. a static full-quantization reference that
     shares the weights); the others run on `model`. Runs are listed prompt by prompt, round after round."""
     models = models or {}
+    warm_up = longest_prompt(prompts)
     for name, config in systems.items():  # warm-up: first calls pay for allocation and kernel selection
-        time_generate(models.get(name, model), prompts[0], config, profile)
+        time_generate(models.get(name, model), warm_up, config, profile)
     timings: dict[str, list[Timing]] = {name: [] for name in systems}
     for _ in range(rounds):
         for inputs in prompts:
