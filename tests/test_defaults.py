@@ -111,7 +111,8 @@ def test_a_saved_4_bit_head_loaded_for_w8a8_is_quantized_again_at_8_bits(tmp_pat
     hqq_calls[0] = 0
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*quantization_config.* from the model will be used")
-        with pytest.warns(TwinsMismatchWarning, match="LM head: `lm_head_nbits`: 4 stored, 8 asked"):
+        with pytest.warns(TwinsMismatchWarning, match=r"LM head: `lm_head_nbits`: 4 stored, 8 asked\. It is "
+                                                      r"quantized again .*save the river again"):
             loaded = AutoModelForCausalLM.from_pretrained(
                 river, quantization_config=RiverQuantConfig(backend="auto", lm_head_activations="int8"))
     head = loaded.get_output_embeddings().quantized_head

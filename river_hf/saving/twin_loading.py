@@ -162,8 +162,8 @@ class StoredTwins:
         if reasons:
             details = "; ".join(f"{_layer_list(indices)}: {reason}" for reason, indices in reasons.items())
             warnings.warn(f"river: the stored twins in {self.path} do not fit {details}. Those twins are rebuilt with "
-                          f"HQQ (slow); save the river again (save_pretrained(..., save_twins=True)) to store them.",
-                          TwinsMismatchWarning, stacklevel=3)
+                          f"HQQ at every load (slow); save the river again (save_pretrained(..., save_twins=True)) to "
+                          f"store them.", TwinsMismatchWarning, stacklevel=3)
         return built
 
     def lm_head(self, head: nn.Linear, quant_config) -> RiverQuantLinear | None:
@@ -176,7 +176,8 @@ class StoredTwins:
             return self._linear(stored["linear"], head, quant_config, quant_config.head_activations)
         except _Mismatch as mismatch:
             warnings.warn(f"river: the stored twins in {self.path} do not fit the LM head: {mismatch}. It is "
-                          f"quantized again with HQQ.", TwinsMismatchWarning, stacklevel=3)
+                          f"quantized again with HQQ at every load (slow); save the river again "
+                          f"(save_pretrained(..., save_twins=True)) to store it.", TwinsMismatchWarning, stacklevel=3)
             return None
 
     def _twin(self, layer: nn.Module, idx: int, quant_config) -> nn.Module:
