@@ -9,9 +9,12 @@ graph run as it is: bit-exact, and seconds instead of inductor's minute); one te
 
 from __future__ import annotations
 
+import io
+import sys
+
 import pytest
 import torch
-from transformers import CompileConfig
+from transformers import CompileConfig, TextStreamer
 
 import river_hf
 from river_hf import RiverStaticCache
@@ -229,6 +232,32 @@ def test_compiling_a_new_exit_depth_shows_a_progress_line(prompt_ids, fresh_dyna
     assert "river: capturing the decode step exiting after 2 backbone layers" in capsys.readouterr().err
     generate(model, prompt_ids, tau=-1, exit_signal="confidence", cache_implementation="static", compile_config=config)
     assert "capturing" not in capsys.readouterr().err  # compiled once, kept
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_a_capture_on_a_terminal_keeps_what_was_streamed(terminal, prompt_ids, fresh_dynamo, monkeypatch):
+    """A capture comes after the streamer printed the first token; on a terminal tqdm draws its bar from the start of
+    the line ('\\r'), so the bar gets a line of its own there, and nothing extra elsewhere."""
+    class Stream(io.StringIO):
+        def isatty(self):
+            return terminal
+
+    screen = Stream()  # stdout and stderr on one screen, as in a terminal
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", screen)
+    config = river_hf.RiverConfig(tau=-1, max_new_tokens=4, do_sample=False, cache_implementation="static",
+                                  compile_config=cpu_compile())
+    river_of(tiny_model()).generate(prompt_ids[:1], generation_config=config,
+                                    streamer=TextStreamer(_Tokens(), skip_prompt=True))
+    before_bar = screen.getvalue().split("river: capturing")[0]
+    assert before_bar.split("\r")[0] == ("<first> \n" if terminal else "<first> ")
+
+
+class _Tokens:
+    """A tokenizer for TextStreamer whose tokens decode to whole words, so it prints the first new token at once."""
+
+    def decode(self, ids, **kwargs):
+        return "".join("<first> " if i == 0 else "<next> " for i in range(len(ids)))
 
 
 def test_a_signal_deciding_inside_the_step_runs_eagerly(prompt_ids, fresh_dynamo):

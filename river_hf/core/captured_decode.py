@@ -200,6 +200,7 @@ class CapturedDecode:
             return self.compiled_call(*args, **kwargs)
         path = "on the backbone" if depth >= num_layers else f"exiting after {depth} backbone layers"
         started = time.perf_counter()
+        _end_streamed_line()
         with tqdm(total=1, desc=f"river: capturing the decode step {path} (once per exit depth)",
                   file=sys.stderr) as bar:
             output = self.compiled_call(*args, **kwargs)
@@ -217,6 +218,16 @@ class CapturedDecode:
     def _head_for(self, exited: bool):
         head = river_lm_head(self.model)
         return nullcontext() if head is None else _captured_head(head, exited)
+
+
+def _end_streamed_line() -> None:
+    """On a terminal, start the capture's progress line on a line of its own. A capture happens mid-generate, after a
+    streamer may have printed part of a line (the first token at least), and tqdm draws its bar from the line's start
+    ('\r'), over that text: `river-hf generate --compile` showed "15 + 27" as "5 + 27". Elsewhere (logs, pipes)
+    nothing is drawn over, so nothing is added."""
+    if sys.stderr.isatty():
+        sys.stdout.flush()
+        sys.stderr.write("\n")
 
 
 @contextmanager
